@@ -1,0 +1,30 @@
+"""EngineConfig: everything an LLMEngine is built from (the LLM class and the CLI fill it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF checkpoint folder; None = the built-in demo model
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    kv_cache_memory_bytes: int | None = None  # None = enough for max_num_seqs full-length sequences, capped at 2 GiB
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None = max(2048, max_model_len)
+    allow_pickle_weights: bool = False
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+
+
+DEFAULT_KV_CACHE_CAP_BYTES = 2 << 30

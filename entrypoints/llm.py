@@ -1,0 +1,134 @@
+"""LLM: the offline entry point (vLLM's `LLM` class, same argument and method names)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, PromptType
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from model_executor.tokenizer import apply_chat_template
+
+
+class LLM:
+    """Generate from a HuggingFace checkpoint folder (or the built-in demo model when model is None).
+
+    >>> llm = LLM()                                    # SmolLM2-135M-Instruct, converted once
+    >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        kv_cache_memory_bytes: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        allow_pickle_weights: bool = False,
+        chat_template: str | None = None,
+    ) -> None:
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                block_size=block_size,
+                enable_prefix_caching=enable_prefix_caching,
+                seed=seed,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                allow_pickle_weights=allow_pickle_weights,
+                chat_template=chat_template,
+            )
+        )
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        d = self.engine.generation_defaults.defaults
+        known = {k: d[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in d}
+        return SamplingParams(**known)
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(prompts)} prompts; pass one or one per prompt"
+                )
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        template = chat_template or self.engine.config.chat_template
+        prompts = []
+        for conv in conversations:
+            text = apply_chat_template(self.engine.tokenizer, conv, template, add_generation_prompt)
+            ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                # The offline API returns whole outputs, whatever kind the params ask for.
+                if p.output_kind.name != "FINAL_ONLY":
+                    p = p.clone(output_kind=type(p.output_kind).FINAL_ONLY)
+                ids.append(engine.add_request(None, prompt, p))
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.reset_prefix_cache()

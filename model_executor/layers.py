@@ -1,0 +1,95 @@
+"""Building blocks shared by the decoder models: norms, rotary embedding, fused linears."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, weight applied in the model dtype (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.unit_offset = unit_offset  # Gemma stores weight - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * h.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with a precomputed cos/sin table indexed by position.
+
+    inv_freq and the attention scaling come from transformers' rope init functions, so every
+    rope_type the config names (default, linear, llama3, yarn, ...) is handled the same way.
+    """
+
+    def __init__(self, config, head_dim: int, max_positions: int, layer_type: str | None = None) -> None:
+        super().__init__()
+        inv_freq, scaling = _rope_inv_freq(config, head_dim, layer_type)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q [T, H, D], k [T, Hkv, D]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _apply(q, cos, sin), _apply(k, cos, sin)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _rope_inv_freq(config, head_dim: int, layer_type: str | None) -> tuple[torch.Tensor, float]:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    rope_type = params.get("rope_type", "default")
+    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if rope_type == "default":
+        dim = int(head_dim * partial)
+        inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv, 1.0
+    fn = ROPE_INIT_FUNCTIONS.get(rope_type)
+    if fn is None:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; known: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
+    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+    inv, scaling = fn(config, torch.device("cpu"), **kwargs)
+    return inv.float(), float(scaling)
+
+
+class SiluAndMulMLP(nn.Module):
+    """SwiGLU MLP with gate and up projections fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, act: str = "silu") -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        if act in ("silu", "swish"):
+            self.act = nn.functional.silu
+        elif act in ("gelu_pytorch_tanh", "gelu_tanh"):
+            self.act = lambda x: nn.functional.gelu(x, approximate="tanh")
+        elif act == "gelu":
+            self.act = nn.functional.gelu
+        else:
+            raise ValueError(f"hidden_act {act!r} is not supported")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)

@@ -1,0 +1,160 @@
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral): one implementation, config-driven.
+
+Differences between the family members are flags read from config.json:
+  q/k/v bias       Qwen2 (always), Llama (attention_bias)
+  per-head q/k norm Qwen3
+  sliding window   Mistral (every layer), Qwen2/Qwen3 (layer_types == "sliding_attention")
+Full-attention layers read the "full" block space, sliding layers the "swa" space.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from attention_backends.metadata import AttentionMetadata
+from block_manager.space_spec import SpaceSpec
+from model_executor.layers import RMSNorm, RotaryEmbedding, SiluAndMulMLP
+from model_executor.models.base import CausalLM, load_stacked_weights
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, window: int | None, max_positions: int, flags: dict) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.window = window
+        self.space = "swa" if window is not None else "full"
+        bias = flags["qkv_bias"]
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=flags["o_bias"])
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags["qk_norm"] else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags["qk_norm"] else None
+        layer_type = None
+        self.rotary = RotaryEmbedding(config, self.head_dim, max_positions, layer_type)
+        # Bound by the model runner: this layer's K and V cache ([num_slots, Hkv, D] each).
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        self.backend = None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.space, self.scale)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, window: int | None, max_positions: int, flags: dict) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, window, max_positions, flags)
+        self.mlp = SiluAndMulMLP(
+            config.hidden_size, config.intermediate_size, bias=flags["mlp_bias"], act=config.hidden_act
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, meta):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama / Mistral / Qwen2 / Qwen3 causal LM over paged block spaces."""
+
+    # HF weight name suffix -> (our fused parameter, shard id)
+    stacked_params = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        flags = self.family_flags(config)
+        windows = self.layer_windows(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, windows[i], max_positions, flags) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    # -- family differences -------------------------------------------------------------------
+    @staticmethod
+    def family_flags(config) -> dict:
+        mt = config.model_type
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return {
+            "qkv_bias": mt == "qwen2" or attention_bias,
+            "o_bias": attention_bias and mt != "qwen3",
+            "qk_norm": mt == "qwen3",
+            "mlp_bias": bool(getattr(config, "mlp_bias", False)),
+        }
+
+    @staticmethod
+    def layer_windows(config) -> list[int | None]:
+        window = getattr(config, "sliding_window", None)
+        n = config.num_hidden_layers
+        layer_types = getattr(config, "layer_types", None)
+        if window is None:
+            return [None] * n
+        if layer_types is None:  # Mistral: every layer slides
+            return [window] * n
+        return [window if t == "sliding_attention" else None for t in layer_types]
+
+    # -- the model contract ------------------------------------------------------------------
+    def attention_layers(self) -> list[LlamaAttention]:
+        return [layer.self_attn for layer in self.layers]
+
+    def space_specs(self, dtype: torch.dtype) -> list[SpaceSpec]:
+        per_space: dict[str, list[LlamaAttention]] = {}
+        for attn in self.attention_layers():
+            per_space.setdefault(attn.space, []).append(attn)
+        elt = torch.tensor([], dtype=dtype).element_size()
+        return [
+            SpaceSpec(
+                name=name,
+                tokens_per_slot=1,
+                bytes_per_slot=sum(2 * a.num_kv_heads * a.head_dim * elt for a in layers),
+                window=layers[0].window,
+            )
+            for name, layers in per_space.items()
+        ]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return hidden @ weight.t()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        def rename(name: str) -> str | None:
+            if "rotary_emb" in name:
+                return None
+            if name.startswith("model."):
+                name = name[len("model.") :]
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                return None
+            return name
+
+        load_stacked_weights(self, weights, rename, self.stacked_params)

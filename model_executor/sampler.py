@@ -1,0 +1,384 @@
+"""Turns one step's logits into next tokens plus logprobs, following vLLM v1's semantics.
+
+Pipeline per step (all on float32 logits, on the logits' device):
+
+1. min_tokens: stop ids get -inf while a sequence is shorter than ``min_tokens``.
+2. penalties: repetition (prompt + output), frequency and presence (output only).
+3. greedy rows (temperature < 1e-5): argmax of the penalised logits.
+4. random rows: temperature, then min_p, top_k, top_p, then an exponential race
+   ``argmax(probs / q)``, ``q ~ Exp(1)``, with q drawn from the row's own generator when the
+   request is seeded, so its tokens do not depend on which other requests share the batch.
+
+Logprobs always describe the *raw* model distribution (log_softmax of the input logits),
+never the penalised / tempered / filtered one, as in vLLM v1.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+# (token_id, logprob, rank); rank = 1 + number of tokens with a strictly greater logprob.
+TokenLogprob = tuple[int, float, int]
+
+# compute_prompt_logprobs turns at most this many [V]-rows into float32 logprobs at once, so a
+# long prompt with a 150k vocabulary does not allocate a multi-GB temporary.
+PROMPT_LOGPROBS_CHUNK = 256
+
+
+@dataclass
+class SamplingBatch:
+    """Built by the model runner every step; one row per sequence that samples now."""
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]  # per-request generator when params.seed is set
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]  # tokens generated so far (before this step)
+
+    def __post_init__(self) -> None:
+        n = len(self.params)
+        lengths = (len(self.generators), len(self.prompt_token_ids), len(self.output_token_ids))
+        if any(length != n for length in lengths):
+            raise ValueError(
+                f"SamplingBatch: params/generators/prompt_token_ids/output_token_ids must all "
+                f"have one entry per row, got {n} and {lengths}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one sampled token per row
+    # Logprob of the sampled token under the raw model distribution, per row (for
+    # cumulative_logprob). The Sampler always fills it; None is reserved for callers that skip it.
+    sampled_logprobs: list[float] | None
+    # Per row: top-k (k = params.logprobs) in rank order, then the sampled token if it is not
+    # among them. None for rows whose params.logprobs is None.
+    top_logprobs: list[list[TokenLogprob] | None]
+
+
+# --------------------------------------------------------------------------------------------
+# Logprob helpers (shared by the sampler and prompt logprobs)
+# --------------------------------------------------------------------------------------------
+
+
+def _top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[list[TokenLogprob]]:
+    """Top-k entries plus ``token_ids[i]`` (if not already in the top-k) for every row.
+
+    ``logprobs`` is [N, V] float32 (already normalised), ``token_ids`` is [N].
+    """
+    num_rows, vocab = logprobs.shape
+    if num_rows == 0:
+        return []
+    k = max(0, min(k, vocab))
+    top_vals, top_ids = logprobs.topk(k, dim=-1)  # sorted, highest first
+    # Any token strictly above a top-k value is itself in the top-k, so ranks of the top-k only
+    # need a [k, k] comparison instead of a pass over the vocabulary.
+    top_ranks = 1 + (top_vals.unsqueeze(1) > top_vals.unsqueeze(2)).sum(-1)
+    tok_vals = logprobs.gather(1, token_ids.view(-1, 1)).squeeze(1)
+    tok_ranks = 1 + (logprobs > tok_vals.unsqueeze(1)).sum(-1)
+
+    # One device->host transfer per tensor, then plain Python to build the nested lists.
+    rows = zip(
+        top_ids.tolist(), top_vals.tolist(), top_ranks.tolist(),
+        token_ids.tolist(), tok_vals.tolist(), tok_ranks.tolist(),
+    )
+    result: list[list[TokenLogprob]] = []
+    for ids, vals, ranks, tok, tok_val, tok_rank in rows:
+        entries = list(zip(ids, vals, ranks))
+        if tok not in ids:
+            entries.append((tok, tok_val, tok_rank))
+        result.append(entries)
+    return result
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: torch.Tensor, k: int
+) -> list[list[TokenLogprob]]:
+    """Prompt logprobs: per prompt position, the top-k plus the actual next prompt token.
+
+    ``logits`` is [T, V] at prompt positions (any float dtype), ``next_token_ids`` is [T] and
+    holds the prompt token that actually follows each position. The first prompt token has no
+    logprob (vLLM reports None for it): for a prompt of length P the caller passes the logits
+    of positions 0..P-2 with next_token_ids = prompt[1:], and result[j] belongs to prompt[j + 1].
+    """
+    if logits.dim() != 2 or next_token_ids.shape != logits.shape[:1]:
+        raise ValueError(
+            f"compute_prompt_logprobs: expected logits [T, V] and next_token_ids [T], "
+            f"got {tuple(logits.shape)} and {tuple(next_token_ids.shape)}"
+        )
+    next_token_ids = next_token_ids.to(device=logits.device, dtype=torch.long)
+    result: list[list[TokenLogprob]] = []
+    for start in range(0, logits.shape[0], PROMPT_LOGPROBS_CHUNK):
+        chunk = logits[start:start + PROMPT_LOGPROBS_CHUNK].float()
+        logprobs = chunk - chunk.logsumexp(dim=-1, keepdim=True)
+        result.extend(_top_logprobs(logprobs, next_token_ids[start:start + PROMPT_LOGPROBS_CHUNK], k))
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Logits processing: min_tokens and penalties (applied in place on a float32 copy)
+# --------------------------------------------------------------------------------------------
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _min_tokens_active(p: SamplingParams, num_output: int) -> bool:
+    return num_output < p.min_tokens and bool(p.all_stop_token_ids)
+
+
+def _apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """Forbid every stop token (EOS included) until the row has generated min_tokens tokens."""
+    vocab = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, (p, out) in enumerate(zip(batch.params, batch.output_token_ids)):
+        if _min_tokens_active(p, len(out)):
+            # Stop ids outside this model's vocabulary can never be sampled anyway.
+            stop_ids = [t for t in p.all_stop_token_ids if t < vocab]
+            rows.extend([i] * len(stop_ids))
+            cols.extend(stop_ids)
+    if rows:
+        device = logits.device
+        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(token_lists), V] int64 count of every token id per row, built with one bincount."""
+    num_rows = len(token_lists)
+    lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
+    flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
+    row_ids = torch.repeat_interleave(torch.arange(num_rows), lengths)
+    flat_index = (row_ids * vocab + flat).to(device)
+    return torch.bincount(flat_index, minlength=num_rows * vocab).view(num_rows, vocab)
+
+
+def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> None:
+    """Repetition, frequency and presence penalties for ``rows``, vectorised over those rows."""
+    device, vocab = logits.device, logits.shape[1]
+    params = [batch.params[i] for i in rows]
+    row_index = torch.tensor(rows, device=device)
+    sub = logits[row_index]
+
+    output_counts = _token_counts([batch.output_token_ids[i] for i in rows], vocab, device)
+    in_output = output_counts > 0
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+    if any(p.repetition_penalty != 1.0 for p in params):
+        # Repetition penalty (CTRL paper / HF) looks at prompt tokens too, unlike the others.
+        in_prompt = _token_counts([batch.prompt_token_ids[i] for i in rows], vocab, device) > 0
+        rep = column([p.repetition_penalty for p in params])
+        penalised = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(in_prompt | in_output, penalised, sub)
+    if any(p.frequency_penalty != 0.0 for p in params):
+        sub = sub - column([p.frequency_penalty for p in params]) * output_counts
+    if any(p.presence_penalty != 0.0 for p in params):
+        sub = sub - column([p.presence_penalty for p in params]) * in_output
+
+    logits[row_index] = sub
+
+
+def _needs_processing(batch: SamplingBatch) -> bool:
+    return any(
+        _has_penalties(p) or _min_tokens_active(p, len(out))
+        for p, out in zip(batch.params, batch.output_token_ids)
+    )
+
+
+def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """min_tokens masking then penalties, as float32; what greedy argmax and sampling start from.
+
+    Never modifies ``logits``; returns it (as float32, possibly the same tensor) when no row
+    needs either step.
+    """
+    logits = logits.float()
+    if not _needs_processing(batch):
+        return logits
+    logits = logits.clone()
+    _apply_min_tokens(logits, batch)
+    penalty_rows = [i for i, p in enumerate(batch.params) if _has_penalties(p)]
+    if penalty_rows:
+        _apply_penalties(logits, batch, penalty_rows)
+    return logits
+
+
+# --------------------------------------------------------------------------------------------
+# Random sampling: temperature, filters, exponential race
+# --------------------------------------------------------------------------------------------
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose prob < min_p * max_prob. ``min_p`` is [N] (CPU)."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.to(logits.device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep tokens whose logit is >= the k-th largest logit (ties at the boundary are kept).
+
+    ``top_k`` is [N] long (CPU, so reading the largest k does not sync the device), each in
+    [1, V]; one topk call with the largest k serves every row.
+    """
+    top_vals = logits.topk(int(top_k.max()), dim=-1).values
+    kth = top_vals.gather(1, (top_k - 1).to(logits.device).unsqueeze(1))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose total prob reaches top_p. ``top_p`` is [N] (CPU).
+
+    A sorted token is kept iff the probability mass strictly before it is < top_p, so the top
+    token (mass 0 before it) always survives. The cut is turned into a probability threshold
+    rather than scattered back by index, so tokens tied with the last kept token are kept too.
+    """
+    probs = logits.softmax(dim=-1)
+    sorted_probs = probs.sort(dim=-1, descending=True).values
+    # Shift the inclusive cumsum rather than computing cumsum - probs: the latter is not exactly
+    # monotone in float32, the shifted one is.
+    inclusive = sorted_probs.cumsum(dim=-1)
+    mass_before = torch.cat([torch.zeros_like(inclusive[:, :1]), inclusive[:, :-1]], dim=-1)
+    num_kept = (mass_before < top_p.to(logits.device).unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)
+    threshold = sorted_probs.gather(1, num_kept - 1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _filter_rows(
+    logits: torch.Tensor,
+    values: list[float | int | None],
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Apply ``fn(rows, per_row_values)`` in one batched call to the rows whose value is not None.
+
+    Rows with the filter off are left untouched (and cost nothing when no row has it on).
+    The values are handed over as a CPU tensor; each filter moves what it needs to the device.
+    """
+    rows = [i for i, v in enumerate(values) if v is not None]
+    if not rows:
+        return logits
+    row_values = torch.tensor([values[i] for i in rows])
+    if len(rows) == len(values):
+        return fn(logits, row_values)
+    index = torch.tensor(rows, device=logits.device)
+    out = logits.clone()
+    out[index] = fn(logits[index], row_values)
+    return out
+
+
+def _sample_random_rows(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator,
+) -> torch.Tensor:
+    """Sample one token per row of ``logits`` [N, V] (already penalised) for non-greedy rows."""
+    device, vocab = logits.device, logits.shape[1]
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    logits = logits / temps.unsqueeze(1)
+
+    # Order as in vLLM: min_p, then top_k, then top_p (on what the earlier filters left).
+    logits = _filter_rows(logits, [p.min_p if p.min_p > 0.0 else None for p in params], _apply_min_p)
+    logits = _filter_rows(logits, [p.top_k if 0 < p.top_k < vocab else None for p in params], _apply_top_k)
+    logits = _filter_rows(logits, [p.top_p if p.top_p < 1.0 else None for p in params], _apply_top_p)
+    probs = logits.softmax(dim=-1)
+
+    # Exponential race: argmax(probs / q), q ~ Exp(1), picks token i with probability probs[i].
+    # Seeded rows draw q from their own generator (a fixed V numbers per step), so the result
+    # does not depend on the rest of the batch; unseeded rows share one batched draw.
+    q = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        if len(unseeded) == len(params):
+            q.exponential_(generator=default_generator)
+        else:
+            draw = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=default_generator)
+            q[torch.tensor(unseeded, device=device)] = draw
+    for i, g in enumerate(generators):
+        if g is not None:
+            q[i].exponential_(generator=g)
+    # exponential_ may return exactly 0 on some backends; 0/0 = NaN would win argmax.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Sampler
+# --------------------------------------------------------------------------------------------
+
+
+class Sampler:
+    def __init__(self, default_generator: torch.Generator) -> None:
+        # Used by unseeded random rows; must live on the same device as the logits.
+        self.default_generator = default_generator
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample one token per row of ``logits`` [B, V]. The input tensor is never modified."""
+        if logits.dim() != 2 or logits.shape[0] != len(batch):
+            raise ValueError(
+                f"Sampler: expected logits [B, V] with B = {len(batch)} rows, got {tuple(logits.shape)}"
+            )
+        raw = logits.float()  # aliases `logits` when it already is float32: do not write to it
+        token_ids = self._sample(raw, batch)
+
+        # Logprobs of the raw distribution: one logsumexp pass, then a gather per row.
+        lse = raw.logsumexp(dim=-1, keepdim=True)
+        sampled_logprobs = (raw.gather(1, token_ids.unsqueeze(1)) - lse).squeeze(1)
+        top_logprobs = self._top_logprobs(raw, lse, token_ids, batch)
+        return SamplerOutput(
+            token_ids=token_ids.tolist(),
+            sampled_logprobs=sampled_logprobs.tolist(),
+            top_logprobs=top_logprobs,
+        )
+
+    def _sample(self, raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        params = batch.params
+        greedy = [p.greedy for p in params]
+        # Fast path: plain greedy decoding is a single argmax over the batch.
+        if all(greedy) and not _needs_processing(batch):
+            return raw.argmax(dim=-1)
+
+        logits = process_logits(raw, batch)
+        if all(greedy):
+            return logits.argmax(dim=-1)
+
+        random_rows = [i for i, g in enumerate(greedy) if not g]
+        if len(random_rows) == len(params):
+            return _sample_random_rows(logits, params, batch.generators, self.default_generator)
+
+        token_ids = logits.argmax(dim=-1)  # right for the greedy rows; random rows overwritten
+        index = torch.tensor(random_rows, device=logits.device)
+        token_ids[index] = _sample_random_rows(
+            logits[index],
+            [params[i] for i in random_rows],
+            [batch.generators[i] for i in random_rows],
+            self.default_generator,
+        )
+        return token_ids
+
+    @staticmethod
+    def _top_logprobs(
+        raw: torch.Tensor, lse: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch
+    ) -> list[list[TokenLogprob] | None]:
+        result: list[list[TokenLogprob] | None] = [None] * len(batch)
+        # Rows are grouped by k so each group is one batched topk.
+        rows_by_k: dict[int, list[int]] = {}
+        for i, p in enumerate(batch.params):
+            if p.logprobs is not None:
+                rows_by_k.setdefault(p.logprobs, []).append(i)
+        for k, rows in rows_by_k.items():
+            index = torch.tensor(rows, device=raw.device)
+            # Same `raw - lse` arithmetic as sampled_logprobs, so the two agree bit for bit.
+            logprobs = raw[index] - lse[index]
+            for i, entries in zip(rows, _top_logprobs(logprobs, token_ids[index], k)):
+                result[i] = entries
+        return result

@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="hybridkv",
+    version="0.1.0",
+    description="LLM inference engine with a block manager for hybrid attention (DeepSeek-V4 style)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["engine*", "block_manager*", "model_executor*", "attention_backends*", "entrypoints*"]),
+    install_requires=[
+        # CPU machines: install torch==2.13.0 (CPU build) first; this range never replaces it.
+        "torch>=2.4",
+        "transformers>=5.0",
+        "sentencepiece",
+        "safetensors",
+        "tokenizers",
+        "tqdm",
+        "aiohttp",
+        "gguf",  # converts the built-in demo model's GGUF to a HF folder
+        "jinja2",
+    ],
+    extras_require={
+        "test": ["pytest", "hypothesis", "openai", "prometheus-client"],
+        "gpu": ["triton", "xformers"],
+    },
+    entry_points={"console_scripts": ["hybridkv=entrypoints.cli:main"]},
+)

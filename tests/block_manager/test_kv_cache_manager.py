@@ -1,0 +1,121 @@
+"""KVCacheManager + PrefixIndex: sharing, eviction order, namespaces, exact ledgers."""
+import random
+
+import pytest
+
+from block_manager.kv_cache_manager import NULL_PAGE, KVCacheManager
+from block_manager.space_spec import SpaceSpec
+
+P = 4
+
+
+def manager(pages=16, caching=True, specs=None):
+    specs = specs or [SpaceSpec("full", bytes_per_slot=8)]
+    return KVCacheManager(specs, {s.name: pages for s in specs}, P, caching)
+
+
+def run(kv, rid, tokens, namespace=None):
+    """Admit, 'compute' and finish a request: returns the tokens its prefix hit covered."""
+    hit = kv.match_prefix(tokens, namespace)
+    assert kv.allocate(rid, len(tokens), hit, namespace)
+    kv.cache_computed_pages(rid, tokens, len(tokens))
+    kv.free(rid)
+    kv.check_invariants()
+    return hit.num_tokens
+
+
+def test_second_request_hits_whole_pages_but_never_the_last_token():
+    kv = manager()
+    toks = list(range(12))  # exactly 3 pages
+    assert run(kv, "a", toks) == 0
+    # The last token must be recomputed, so only 2 of 3 pages can be served.
+    assert run(kv, "b", toks) == 8
+    assert run(kv, "c", toks + [99]) == 12
+
+
+def test_shared_pages_are_refcounted_and_not_evicted_while_held():
+    kv = manager(pages=4)
+    toks = list(range(8))
+    run(kv, "a", toks)
+    hit = kv.match_prefix(toks + [1])
+    assert kv.allocate("b", 9, hit)
+    assert kv.page_table("b", "full")[:2] == [n.shadows["full"] for n in hit.nodes]
+    # Only 1 free page + nothing evictable: a 3-page request cannot fit now.
+    assert not kv.allocate("c", 12)
+    kv.check_invariants()
+    kv.free("b")
+    assert kv.allocate("c", 12)  # now the cached pages can be evicted
+    kv.free("c")
+    kv.assert_idle()
+
+
+def test_eviction_is_lru_leaf_first():
+    kv = manager(pages=6)
+    a, b = [1] * 8, [2] * 8
+    run(kv, "a", a)
+    run(kv, "b", b)
+    kv.match_prefix(a + [0])  # touch a: b is now least recently used
+    assert kv.allocate("c", 8)  # 2 free pages, no eviction needed
+    assert kv.allocate("d", 4)  # needs 1 more page: evicts b's leaf
+    assert run(kv, "a2", a + [0]) == 8
+    kv.free("c"), kv.free("d")
+    kv.assert_idle()
+
+
+def test_namespaces_never_share_pages():
+    kv = manager()
+    toks = list(range(9))
+    run(kv, "a", toks, namespace="salt-1")
+    assert run(kv, "b", toks, namespace="salt-2") == 0
+    assert run(kv, "c", toks, namespace="salt-1") == 8
+
+
+def test_failed_allocation_changes_nothing():
+    kv = manager(pages=2)
+    assert not kv.allocate("a", 12)
+    kv.assert_idle()
+
+
+def test_windowed_space_releases_out_of_window_pages():
+    kv = manager(pages=8, specs=[SpaceSpec("swa", bytes_per_slot=8, window=6)])
+    assert kv.allocate("a", 20)
+    kv.release_out_of_window("a", 20)
+    # next query at position 20 reads [15, 20]: pages 0..2 (tokens 0..11) are not needed
+    assert kv.page_table("a", "swa")[:3] == [NULL_PAGE] * 3
+    assert kv.spaces["swa"].num_free == 8 - 2
+    kv.free("a")
+    kv.assert_idle()
+
+
+def test_random_workload_keeps_ledgers_exact():
+    """Invariant: after every operation free + cached + in use == capacity and refcounts match tables."""
+    rng = random.Random(0)
+    kv = manager(pages=24)
+    live: dict[str, list[int]] = {}
+    prefixes = [[rng.randrange(5) for _ in range(rng.randrange(1, 14))] for _ in range(4)]
+    for step in range(600):
+        op = rng.random()
+        if op < 0.5 and len(live) < 6:
+            toks = rng.choice(prefixes) + [rng.randrange(5) for _ in range(rng.randrange(1, 10))]
+            rid = f"r{step}"
+            if kv.allocate(rid, len(toks), kv.match_prefix(toks)):
+                live[rid] = toks
+        elif op < 0.8 and live:
+            rid = rng.choice(list(live))
+            toks = live[rid]
+            toks += [rng.randrange(5) for _ in range(rng.randrange(1, 5))]
+            if kv.allocate(rid, len(toks)):
+                kv.cache_computed_pages(rid, toks, len(toks))
+            else:
+                toks[:] = toks[: len(kv.page_table(rid, "full")) * P]
+        elif live:
+            rid = rng.choice(list(live))
+            kv.cache_computed_pages(rid, live[rid], min(len(live[rid]), len(kv.page_table(rid, "full")) * P))
+            kv.free(rid)
+            del live[rid]
+        kv.check_invariants()
+    for rid in list(live):
+        kv.free(rid)
+    kv.assert_idle()
+    assert kv.reset_prefix_cache() >= 0
+    assert kv.spaces["full"].num_free == 24
