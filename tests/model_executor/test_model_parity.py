@@ -51,5 +51,16 @@ def test_greedy_generation_equals_transformers_generate(tiny_ckpt, arch):
     hf = hf_model(path)
     for p, o in zip(prompts, outs):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, min_new_tokens=16, pad_token_id=0)
-        assert o.outputs[0].token_ids == ref[0, len(p):].tolist()
+            if arch == "mistral":
+                # transformers' generate() with its sliding-window cache disagrees with its own full
+                # forward once the prompt exceeds the window (seen with 5.24: prompt 60 > window 24
+                # diverges at the 11th token with a 0.3 logit margin). The full forward's mask is the
+                # definition, so the reference is a greedy loop over full forwards.
+                seq = list(p)
+                for _ in range(16):
+                    seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+                ref = seq[len(p):]
+            else:
+                gen = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, min_new_tokens=16, pad_token_id=0)
+                ref = gen[0, len(p):].tolist()
+        assert o.outputs[0].token_ids == ref
