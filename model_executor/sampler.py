@@ -330,6 +330,9 @@ class Sampler:
         raw = logits.float()  # aliases `logits` when it already is float32: do not write to it
         token_ids = self._sample(raw, batch)
 
+        if all(p.logprobs is None for p in batch.params):
+            # Nobody reports logprobs (cumulative_logprob is only reported alongside them).
+            return SamplerOutput(token_ids=token_ids.tolist(), sampled_logprobs=None, top_logprobs=[None] * len(batch))
         # Logprobs of the raw distribution: one logsumexp pass, then a gather per row.
         lse = raw.logsumexp(dim=-1, keepdim=True)
         sampled_logprobs = (raw.gather(1, token_ids.unsqueeze(1)) - lse).squeeze(1)

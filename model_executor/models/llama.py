@@ -15,12 +15,12 @@ from torch import nn
 
 from attention_backends.metadata import AttentionMetadata
 from block_manager.space_spec import SpaceSpec
-from model_executor.layers import RMSNorm, RotaryEmbedding, SiluAndMulMLP
+from model_executor.layers import RMSNorm, RotaryEmbedding, SiluAndMulMLP, apply_rotary
 from model_executor.models.base import CausalLM, load_stacked_weights
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, window: int | None, max_positions: int, flags: dict) -> None:
+    def __init__(self, config, layer_idx: int, window: int | None, flags: dict) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -35,14 +35,12 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=flags["o_bias"])
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags["qk_norm"] else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags["qk_norm"] else None
-        layer_type = None
-        self.rotary = RotaryEmbedding(config, self.head_dim, max_positions, layer_type)
         # Bound by the model runner: this layer's K and V cache ([num_slots, Hkv, D] each).
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.backend = None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -50,23 +48,23 @@ class LlamaAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.space, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, window: int | None, max_positions: int, flags: dict) -> None:
+    def __init__(self, config, layer_idx: int, window: int | None, flags: dict) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, window, max_positions, flags)
+        self.self_attn = LlamaAttention(config, layer_idx, window, flags)
         self.mlp = SiluAndMulMLP(
             config.hidden_size, config.intermediate_size, bias=flags["mlp_bias"], act=config.hidden_act
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, meta):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
+    def forward(self, rope, hidden, meta):
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -89,8 +87,10 @@ class LlamaForCausalLM(CausalLM):
         windows = self.layer_windows(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, windows[i], max_positions, flags) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, windows[i], flags) for i in range(config.num_hidden_layers)
         )
+        attn = self.layers[0].self_attn
+        self.rotary_emb = RotaryEmbedding(config, attn.head_dim, max_positions)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -139,8 +139,9 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.lookup(positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(positions, hidden, meta)
+            hidden = layer(rope, hidden, meta)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -491,10 +491,18 @@ def test_prompt_logprobs_for_an_empty_prompt_tail_is_empty():
 def test_sampled_logprob_sum_is_the_sequence_log_likelihood():
     """cumulative_logprob = sum of sampled_logprobs equals the log-likelihood under the raw model."""
     logits = torch.randn(6, VOCAB, generator=seeded(16))
-    out = new_sampler()(logits, make_batch([SamplingParams(seed=1)] * 6, [seeded(1)] * 6))
+    out = new_sampler()(logits, make_batch([SamplingParams(seed=1, logprobs=0)] * 6, [seeded(1)] * 6))
     ref = torch.log_softmax(logits, dim=-1)
     expected = sum(ref[r, t].item() for r, t in enumerate(out.token_ids))
     assert math.isclose(sum(out.sampled_logprobs), expected, abs_tol=1e-4)
+
+
+def test_no_logprobs_work_when_no_row_asks_for_them():
+    """Without logprobs requested the sampler skips the logsumexp pass entirely."""
+    logits = torch.randn(3, VOCAB, generator=seeded(17))
+    out = new_sampler()(logits, make_batch([SamplingParams(temperature=0)] * 3))
+    assert out.sampled_logprobs is None and out.top_logprobs == [None] * 3
+    assert out.token_ids == logits.argmax(-1).tolist()
 
 
 def test_batch_with_mismatched_lengths_is_rejected():
