@@ -60,7 +60,7 @@ def reinit_(model: torch.nn.Module, seed: int = 0) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
 
 
-def build_checkpoint(path: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
+def build_checkpoint(path: str, arch: str = "llama", seed: int = 0, max_shard_size: str | None = None, **overrides) -> str:
     """Write a tiny `arch` checkpoint (llama, qwen2, qwen3, mistral) with a tokenizer to path."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -95,7 +95,7 @@ def build_checkpoint(path: str, arch: str = "llama", seed: int = 0, **overrides)
     if config.tie_word_embeddings:
         model.tie_weights()
     os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     tok.save_pretrained(path)
     return path
 

@@ -64,3 +64,20 @@ def test_greedy_generation_equals_transformers_generate(tiny_ckpt, arch):
                 gen = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, min_new_tokens=16, pad_token_id=0)
                 ref = gen[0, len(p):].tolist()
         assert o.outputs[0].token_ids == ref
+
+
+@pytest.mark.parametrize("variant", [{"tie_word_embeddings": True}, {"max_shard_size": "30KB"}])
+def test_tied_embeddings_and_sharded_checkpoints_load_exactly(tiny_ckpt, variant):
+    """Tied lm_head (no lm_head.weight on disk) and a sharded safetensors index both give
+    transformers' logits."""
+    path = tiny_ckpt("llama", **variant)
+    if "max_shard_size" in variant:
+        import os
+
+        assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+    llm = LLM(path, dtype="float32", max_model_len=128)
+    prompt = list(range(3, 40))
+    logits, generated = _engine_logits(llm, prompt, max_tokens=4)
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([(prompt + generated)[:-1]])).logits[0]
+    torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
