@@ -17,6 +17,7 @@ setup(
         "tokenizers",
         "tqdm",
         "aiohttp",
+        "prometheus-client",  # GET /metrics of `hybridkv serve`
         "gguf",  # converts the built-in demo model's GGUF to a HF folder
         "jinja2",
     ],

@@ -1,4 +1,4 @@
-"""User surfaces of hybridkv: the offline LLM class, the CLI and (later) the HTTP server."""
+"""User surfaces of hybridkv: the offline LLM class, the CLI and the OpenAI-compatible HTTP server (openai/)."""
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 from entrypoints.llm import LLM

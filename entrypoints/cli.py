@@ -1,4 +1,4 @@
-"""The `hybridkv` command line: `hybridkv generate "prompt"` (and later `hybridkv serve`)."""
+"""The `hybridkv` command line: `hybridkv generate "prompt"` and `hybridkv serve [MODEL]`."""
 from __future__ import annotations
 
 import argparse
@@ -57,6 +57,53 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+
+    from engine.async_llm_engine import AsyncLLMEngine
+    from engine.config import EngineConfig
+    from entrypoints.openai.api_server import API_KEY_ENV, ServerSettings, default_model_name, serve
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+    kwargs = engine_kwargs(args)
+    engine = AsyncLLMEngine.from_config(EngineConfig(model=args.model_tag or args.model, **kwargs))
+    settings = ServerSettings(
+        served_model_names=args.served_model_name,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_request_body_bytes=args.max_request_body_bytes,
+        chat_template=kwargs["chat_template"],
+    )
+    log = logging.getLogger("hybridkv.serve")
+    names = settings.served_model_names or [default_model_name(engine)]
+    snap = engine.snapshot()
+    log.info("model %s served as %s; max_model_len %d, block size %d, prefix caching %s",
+             engine.model_dir, ", ".join(repr(n) for n in names), engine.max_model_len, snap.page_size,
+             "on" if engine.config.enable_prefix_caching else "off")
+    for name, space in snap.spaces.items():
+        log.info("KV space %r: %d pages of %d tokens, %.1f MiB", name, space.num_pages, snap.page_size,
+                 space.total_bytes / 2**20)
+
+    def ready(port: int) -> None:
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        log.info("serving the OpenAI-compatible API at http://%s:%d/v1 (%s); Ctrl-C to stop", host, port,
+                 "API key required" if settings.api_key else "no API key")
+        if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+            log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
+
+    try:
+        asyncio.run(serve(engine, settings, args.host, args.port, access_log=not args.disable_access_log,
+                          on_ready=ready))
+    except OSError as e:  # e.g. the port is taken
+        print(f"hybridkv: error: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        engine.shutdown()
+    log.info("server stopped")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridkv", description="hybridkv: hybrid-attention LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     add_engine_args(g)
     g.set_defaults(func=_generate)
+
+    s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    s.add_argument("model_tag", nargs="?", default=None, help="HF checkpoint folder (default: the demo model)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="port to bind (0 = any free port)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on /v1 routes (default: $HYBRIDKV_API_KEY)")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use; the first is reported (default: the model path)")
+    s.add_argument("--max-request-body-bytes", type=int, default=8 << 20, help="larger bodies get 413")
+    s.add_argument("--disable-access-log", action="store_true", help="do not log one line per HTTP request")
+    add_engine_args(s)
+    s.set_defaults(func=_serve)
     return parser
 
 
@@ -81,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"hybridkv: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the server's own handler is installed (model loading)
+        return 130
 
 
 if __name__ == "__main__":

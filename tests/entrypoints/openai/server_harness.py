@@ -89,6 +89,9 @@ class ServerHandle:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def stop(self) -> None:
+        """Idempotent: stops the app (aborting in-flight requests), the loop thread and the engine."""
+        if self._loop.is_closed():
+            return
         if self._runner is not None:
             self.run_coro(self._runner.cleanup())  # aborts in-flight requests, stops the engine thread
             self._runner = None

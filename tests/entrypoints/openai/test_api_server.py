@@ -124,8 +124,9 @@ def test_completion_logprobs_and_echo(client):
     lp = resp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 10
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
-        assert chosen <= 0 and 2 <= len(top) <= 3
-        assert chosen == pytest.approx(max(top.values()))  # greedy picks the most likely token
+        # top-2 plus the sampled token, keyed by decoded text (byte pieces may collide on U+FFFD).
+        assert chosen <= 0 and 1 <= len(top) <= 3
+        assert all(v <= chosen + 1e-6 for v in top.values())  # greedy picks the most likely token
     echo = client.completions.create(model=MODEL, prompt=PROMPTS[0], echo=True, logprobs=1, **GREEDY,
                                      extra_body={"ignore_eos": True})
     c = echo.choices[0]

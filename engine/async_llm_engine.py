@@ -1,0 +1,472 @@
+"""AsyncLLMEngine: an LLMEngine driven by a thread of its own, streaming outputs to asyncio callers.
+
+Why a thread: a forward pass takes milliseconds to seconds; run on the server's event loop it would
+stall every other connection (health checks, new requests, other streams). The engine thread owns
+the LLMEngine outright: no other thread touches it. Callers talk to it through a thread-safe
+command queue (add / abort / call / stop); the thread hands outputs back with
+`loop.call_soon_threadsafe`, one callback per loop per step, into per-request asyncio queues.
+torch releases the GIL inside its kernels, so the event loop keeps running during a forward.
+
+Lifecycle of a request: `add_requests()` validates on the engine thread (a ValueError comes back
+before any output), then the caller iterates a `RequestStream`. Leaving the iteration early
+(break, exception, task cancelled, generator closed) aborts whatever has not finished, which
+frees its pages. A fatal error inside `step()` fails every in-flight request with
+`EngineDeadError`, marks the engine dead (`errored`, `is_healthy`), and from then on new requests
+fail at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, PromptType
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed (or was shut down); in-flight and new requests cannot complete."""
+
+
+class RequestAbortedError(RuntimeError):
+    """Raised in a stream whose request was aborted by someone other than its own consumer."""
+
+
+# -- snapshot for metrics ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SpaceUsage:
+    num_pages: int
+    num_free: int
+    num_cached: int
+    num_in_use: int
+    bytes_per_page: int
+
+    @property
+    def usage(self) -> float:
+        """Fraction of pages held by requests (cached-but-idle pages are reclaimable, so not counted)."""
+        return self.num_in_use / self.num_pages if self.num_pages else 0.0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_pages * self.bytes_per_page
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """A consistent view of the engine's counters, taken on the engine thread between steps.
+
+    Readers on other threads get the whole object by one attribute read, so they never see a
+    half-updated state and never block the engine.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_unfinished_requests: int = 0  # user requests (an n=2 request counts once)
+    spaces: dict[str, SpaceUsage] = field(default_factory=dict)
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # tokens served from it
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_steps: int = 0
+    page_size: int = 0  # tokens per page, shared by all spaces
+
+    @classmethod
+    def capture(cls, engine: LLMEngine) -> "EngineSnapshot":
+        kv = engine.kv
+        page = kv.page_size
+        spaces = {
+            name: SpaceUsage(s.num_pages, s.num_free, s.num_cached, s.num_in_use, kv.specs[name].bytes_per_page(page))
+            for name, s in kv.spaces.items()
+        }
+        return cls(
+            num_running=engine.scheduler.num_running,
+            num_waiting=engine.scheduler.num_waiting,
+            num_unfinished_requests=engine.get_num_unfinished_requests(),
+            spaces=spaces,
+            prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits,
+            num_preemptions=engine.scheduler.num_preemptions,
+            prompt_tokens=engine.stats.get("prompt_tokens", 0),
+            generation_tokens=engine.stats.get("generation_tokens", 0),
+            num_steps=engine.stats.get("steps", 0),
+            page_size=page,
+        )
+
+
+# -- requests and their output streams -------------------------------------------------------------
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    cache_salt: str | None = None
+
+
+_Item = RequestOutput | BaseException
+
+
+@dataclass(eq=False)
+class _Sink:
+    """Where the engine thread delivers one request's outputs: an asyncio queue on its loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: "asyncio.Queue[_Item]"
+
+
+class RequestStream:
+    """Async iterator over the outputs of requests added together (one prompt, or a batch).
+
+    Outputs of different requests interleave in engine order; each carries its request_id.
+    Iteration ends once every request has delivered its finished output. `abort()` (also run by
+    `aclose()` and by leaving an `async with` block) aborts the requests that have not finished.
+    """
+
+    def __init__(self, engine: "AsyncLLMEngine", request_ids: Sequence[str], sink: _Sink) -> None:
+        self._engine = engine
+        self._sink = sink
+        self._pending = set(request_ids)
+        self.request_ids = list(request_ids)
+
+    @property
+    def finished(self) -> bool:
+        return not self._pending
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._pending:
+            raise StopAsyncIteration
+        item = await self._sink.queue.get()
+        if isinstance(item, BaseException):
+            self._pending.clear()  # the engine already dropped these requests
+            raise item
+        if item.finished:
+            self._pending.discard(item.request_id)
+        return item
+
+    def abort(self) -> None:
+        """Abort every request of this stream that has not finished (no-op when all have)."""
+        for rid in self._pending:
+            self._engine.abort(rid)
+        self._pending.clear()
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort()
+
+
+# -- engine-thread commands -----------------------------------------------------------------------
+@dataclass
+class _Add:
+    requests: list[GenerateRequest]
+    sink: _Sink
+    done: concurrent.futures.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str | None  # None = every in-flight request
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    done: concurrent.futures.Future
+
+
+@dataclass
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _Call | _Stop
+
+
+class AsyncLLMEngine:
+    """Runs `engine` on a background thread; all public methods are safe from any thread/loop."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine  # owned by the engine thread from here on; use call() to inspect it
+        self.tokenizer = engine.tokenizer  # read-only use (encode/decode) is safe across threads
+        self.max_model_len = engine.max_model_len
+        self.config = engine.config
+        self.model_dir = engine.model_dir
+        # The checkpoint's generation_config sampling defaults (read-only after init).
+        self.generation_defaults: dict[str, Any] = dict(engine.generation_defaults.defaults)
+        self._commands: "queue.SimpleQueue[_Command]" = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._dead_error: BaseException | None = None
+        self._stopping = False
+        self._snapshot = EngineSnapshot.capture(engine)
+        self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
+        return cls(LLMEngine(config))
+
+    # -- health ------------------------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        return self._dead_error is not None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead_error
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.is_running and not self.errored
+
+    def check_health(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(f"engine died: {self._dead_error!r}") from self._dead_error
+        if not self.is_running:
+            raise EngineDeadError("engine is shut down")
+
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
+
+    # -- requests ----------------------------------------------------------------------------------
+    async def add_requests(self, requests: Sequence[GenerateRequest]) -> RequestStream:
+        """Add requests atomically (all or none); raises ValueError from validation before any output."""
+        self.check_health()
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Add(list(requests), sink, done))
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            # The add may still go through after we stop waiting: abort (commands run in order).
+            for r in requests:
+                self.abort(r.request_id)
+            raise
+        return RequestStream(self, [r.request_id for r in requests], sink)
+
+    async def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, cache_salt: str | None = None
+    ) -> RequestStream:
+        return await self.add_requests([GenerateRequest(request_id, prompt, params, cache_salt)])
+
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams, request_id: str, *, cache_salt: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request (DELTA or CUMULATIVE per params.output_kind); dropping the iterator aborts it."""
+        stream = await self.add_request(request_id, prompt, params, cache_salt)
+        try:
+            async for out in stream:
+                yield out
+        finally:  # GeneratorExit, CancelledError, or a consumer exception: free the pages now
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def abort_all(self) -> None:
+        self._commands.put(_Abort(None))
+
+    # -- running code on the engine thread (introspection, tests) -----------------------------------
+    def call_threadsafe(self, fn: Callable[[LLMEngine], T]) -> "concurrent.futures.Future[T]":
+        """Run fn(engine) on the engine thread between two steps; the only safe way to touch it."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        if not self._thread.is_alive():  # nobody else touches the engine any more: run here
+            try:
+                done.set_result(fn(self.engine))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                done.set_exception(e)
+            return done
+        self._commands.put(_Call(fn, done))
+        return done
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        return await asyncio.wrap_future(self.call_threadsafe(fn))
+
+    def check_idle(self, timeout: float = 10.0) -> None:
+        """Blocking (not on the engine's callers' loop): wait until no request is left, then check
+        on the engine thread that every page is free or cached (`kv.assert_idle`)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self.call_threadsafe(lambda e: e.has_unfinished_requests()).result(timeout):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine still has unfinished requests after {timeout}s: {self.snapshot()}")
+            time.sleep(0.01)
+        self.call_threadsafe(lambda e: e.kv.assert_idle()).result(timeout)
+
+    async def wait_until_idle(self, timeout: float = 10.0) -> None:
+        """Async twin of check_idle()."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while await self.call(lambda e: e.has_unfinished_requests()):
+            if loop.time() > deadline:
+                raise AssertionError(f"engine still has unfinished requests after {timeout}s: {self.snapshot()}")
+            await asyncio.sleep(0.01)
+        await self.call(lambda e: e.kv.assert_idle())
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Abort in-flight requests (their streams fail with EngineDeadError) and join the thread."""
+        if self._thread.is_alive():
+            self._stopping = True
+            self._commands.put(_Stop())
+            self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._settle_leftovers()
+
+    def _settle_leftovers(self) -> None:
+        """Commands that raced with the stop: nobody will process them on the engine thread, and
+        their callers would wait forever. The thread is gone, so running them here is safe."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add) and cmd.done.set_running_or_notify_cancel():
+                cmd.done.set_exception(EngineDeadError("the engine was shut down"))
+            elif isinstance(cmd, _Call):
+                self._handle(cmd)
+
+    # -- the engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            busy = self._dead_error is None and engine.has_unfinished_requests()
+            commands = self._drain(block=not busy)
+            for cmd in commands:
+                if isinstance(cmd, _Stop):
+                    self._fail_all(EngineDeadError("the engine was shut down"))
+                    self._publish()
+                    return  # commands queued behind the stop are settled by shutdown()
+                self._handle(cmd)
+            if commands:
+                self._publish()  # new/aborted requests show in the metrics before a long step starts
+            if self._dead_error is not None or not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # noqa: BLE001 - any step failure leaves the engine unusable
+                logger.exception("engine step failed; failing all requests")
+                self._dead_error = e
+                self._fail_all(EngineDeadError(f"engine step failed: {e!r}"))
+                self._publish()
+                continue
+            self._deliver(outputs)
+            self._publish()
+
+    def _drain(self, block: bool) -> list[_Command]:
+        commands: list[_Command] = []
+        if block:
+            commands.append(self._commands.get())
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _handle(self, cmd: _Command) -> None:
+        engine = self.engine
+        if isinstance(cmd, _Abort):
+            ids = list(self._sinks) if cmd.request_id is None else [cmd.request_id]
+            for rid in ids:
+                sink = self._sinks.pop(rid, None)
+                engine.abort_request(rid)  # a no-op for unknown or finished ids
+                if sink is not None:
+                    # Wake a consumer still waiting (when it aborted itself, it no longer reads).
+                    self._post(sink.loop, [(sink.queue, RequestAbortedError(f"request {rid} was aborted"))])
+        elif isinstance(cmd, _Call):
+            if cmd.done.set_running_or_notify_cancel():
+                try:
+                    cmd.done.set_result(cmd.fn(engine))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    cmd.done.set_exception(e)
+        elif isinstance(cmd, _Add):
+            if not cmd.done.set_running_or_notify_cancel():
+                return  # the caller gave up waiting (cancelled) before we got here: add nothing
+            if self._dead_error is not None:
+                cmd.done.set_exception(EngineDeadError(f"engine died: {self._dead_error!r}"))
+                return
+            added: list[str] = []
+            try:
+                for r in cmd.requests:
+                    if r.request_id in self._sinks:
+                        raise ValueError(f"request id {r.request_id!r} is already in use")
+                    engine.add_request(r.request_id, r.prompt, r.params, r.cache_salt)
+                    self._sinks[r.request_id] = cmd.sink
+                    added.append(r.request_id)
+            except Exception as e:  # noqa: BLE001 - validation errors go back to the caller
+                for rid in added:  # all or none: a batch with one bad prompt adds nothing
+                    self._sinks.pop(rid, None)
+                    engine.abort_request(rid)
+                cmd.done.set_exception(e)
+            else:
+                cmd.done.set_result(None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, _Item]]] = {}
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:  # aborted after this step was scheduled
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            by_loop.setdefault(sink.loop, []).append((sink.queue, out))
+        for loop, items in by_loop.items():
+            self._post(loop, items)
+
+    def _post(self, loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, _Item]]) -> None:
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the caller's loop is closed: nobody will read these, stop generating
+            for _, item in items:
+                if isinstance(item, RequestOutput) and not item.finished:
+                    self._sinks.pop(item.request_id, None)
+                    self.engine.abort_request(item.request_id)
+
+    def _fail_all(self, error: BaseException) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, _Item]]] = {}
+        seen: set[int] = set()
+        for rid, sink in list(self._sinks.items()):
+            try:
+                self.engine.abort_request(rid)  # best effort: frees pages unless the engine is broken
+            except Exception:  # noqa: BLE001
+                logger.exception("abort of %s failed while failing all requests", rid)
+            if id(sink) not in seen:  # one error per stream, even for a batch of requests
+                seen.add(id(sink))
+                by_loop.setdefault(sink.loop, []).append((sink.queue, error))
+        self._sinks.clear()
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                pass
+
+    def _publish(self) -> None:
+        try:
+            self._snapshot = EngineSnapshot.capture(self.engine)
+        except Exception:  # noqa: BLE001 - metrics must never take the engine down
+            logger.exception("could not capture engine snapshot")
+
+
+def _put_all(items: list[tuple[asyncio.Queue, _Item]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)

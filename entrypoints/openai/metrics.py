@@ -1,0 +1,157 @@
+"""Prometheus metrics of one server, with vLLM's metric names under a `hybridkv:` prefix.
+
+Each app gets its own CollectorRegistry (never prometheus_client's global default), so several
+servers in one process (tests) do not collide and nothing is module-level mutable state.
+
+Two sources:
+- per-request latencies (TTFT, inter-token latency, time per output token, e2e, queue time) and
+  request_success{finished_reason} are observed by the serving layer as outputs reach the HTTP
+  handler, i.e. the latency a client actually sees;
+- engine state (running/waiting, KV usage per space, token/prefix-cache/preemption counters) is
+  read at scrape time from the engine's published snapshot, so a scrape never waits on a step.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.async_llm_engine import EngineSnapshot
+from engine.outputs import RequestOutput
+
+PREFIX = "hybridkv:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's bucket edges (v1/metrics/loggers.py), so dashboards built for vLLM read the same.
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0]
+_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+class _EngineCollector(Collector):
+    """Gauges and counters read from the engine snapshot at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str) -> None:
+        self._snapshot = snapshot
+        self._model = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._snapshot()
+        m = [self._model]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric(m, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c.add_metric(m, value)
+            return c
+
+        yield gauge("num_requests_running", "Sequences in the running batch.", s.num_running)
+        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled (new or preempted).", s.num_waiting)
+        usage = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc",
+                                  "Fraction of a KV space's pages held by requests (1 = full).",
+                                  labels=["model_name", "space"])
+        pages = GaugeMetricFamily(PREFIX + "kv_cache_pages", "Pages of a KV space by state.",
+                                  labels=["model_name", "space", "state"])
+        for name, sp in s.spaces.items():
+            usage.add_metric([self._model, name], sp.usage)
+            for state, n in (("free", sp.num_free), ("cached", sp.num_cached), ("in_use", sp.num_in_use)):
+                pages.add_metric([self._model, name, state], n)
+        yield usage
+        yield pages
+        yield counter("prompt_tokens", "Prompt tokens received.", s.prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits)
+        yield counter("num_preemptions", "Preemptions of running sequences.", s.num_preemptions)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, labels = self.registry, ["model_name"]
+
+        def hist(name: str, doc: str, buckets: list[float]):
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time from request arrival to its first token.",
+                         _TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between two consecutive outputs of a request.",
+                        _ITL_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Mean time per output token after the first, per sequence.", _ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Time from request arrival to its last output.",
+                        _REQUEST_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Time a request waited before first scheduled.",
+                               _REQUEST_BUCKETS)
+        self._success = Counter(PREFIX + "request_success", "Finished sequences by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        r.register(_EngineCollector(snapshot, model_name))
+
+    def request_finished(self, reason: str, count: int = 1) -> None:
+        self._success.labels(self.model_name, reason).inc(count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def track(self) -> "RequestTracker":
+        return RequestTracker(self)
+
+
+@dataclass
+class RequestTracker:
+    """Latency bookkeeping for one HTTP request (which may hold several engine requests)."""
+
+    metrics: ServerMetrics
+    start: float = field(default_factory=time.monotonic)
+    first_output: float | None = None
+    last_output: float | None = None
+    _first_by_seq: dict[tuple[str, int], float] = field(default_factory=dict)
+    _tokens_by_seq: dict[tuple[str, int], int] = field(default_factory=dict)
+    _done: bool = False
+
+    def on_output(self, out: RequestOutput) -> None:
+        if not any(o.token_ids for o in out.outputs):
+            return
+        now = time.monotonic()
+        if self.first_output is None:
+            self.first_output = now
+            self.metrics.ttft.observe(now - self.start)
+        elif self.last_output is not None:
+            self.metrics.itl.observe(now - self.last_output)
+        self.last_output = now
+        for o in out.outputs:
+            key = (out.request_id, o.index)
+            self._first_by_seq.setdefault(key, now)
+            self._tokens_by_seq[key] = self._tokens_by_seq.get(key, 0) + len(o.token_ids)
+            if o.finish_reason is not None:
+                self.metrics.request_finished(o.finish_reason)
+                n = self._tokens_by_seq[key]
+                if n > 1:
+                    self.metrics.tpot.observe((now - self._first_by_seq[key]) / (n - 1))
+        if out.finished:
+            m = out.metrics or {}
+            arrival, scheduled = m.get("arrival_time"), m.get("first_scheduled_time")
+            if arrival is not None and scheduled is not None:
+                self.metrics.queue_time.observe(max(0.0, scheduled - arrival))
+
+    def on_complete(self) -> None:
+        if not self._done:
+            self._done = True
+            self.metrics.e2e.observe(time.monotonic() - self.start)
+
+    def on_abort(self, num_sequences: int) -> None:
+        if not self._done and num_sequences:
+            self._done = True
+            self.metrics.request_finished("abort", num_sequences)

@@ -1,0 +1,123 @@
+"""POST /v1/chat/completions: messages rendered with the chat template, answered whole or streamed."""
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from engine.outputs import Logprob, PositionLogprobs
+from entrypoints.openai.errors import bad_request
+from entrypoints.openai.protocol import ChatCompletionRequest
+from entrypoints.openai.serving_base import Generation, PromptInput, ServingContext, finite_logprob, stream_error
+from entrypoints.openai.sse import SSEStream, dumps
+from model_executor.tokenizer import apply_chat_template
+
+
+def render_chat(ctx: ServingContext, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    """Template precedence: --chat-template, then the checkpoint's own, then ChatML."""
+    try:
+        return apply_chat_template(ctx.tokenizer, messages, ctx.chat_template, add_generation_prompt)
+    except ValueError as e:  # the template rejected these messages (e.g. roles out of order)
+        raise bad_request(str(e), "messages") from e
+
+
+class ChatServing:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, request: web.Request, body: Any) -> web.StreamResponse:
+        ctx = self.ctx
+        req = ChatCompletionRequest.parse(body)
+        model = ctx.check_model(req.model)
+        text = render_chat(ctx, req.messages, req.add_generation_prompt)
+        # The rendered text already holds any BOS the template writes.
+        prompt = PromptInput(text, ctx.tokenize(text, add_special_tokens=False))
+        ctx.check_context(len(prompt.token_ids), req.max_tokens)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = req.sampling.to_params(req.max_tokens, logprobs, ctx.sampling_defaults)
+        gen = await ctx.start("chatcmpl", [prompt], params, req.cache_salt)
+        async with gen:
+            if req.stream:
+                return await self._stream(request, req, model, gen)
+            await gen.run_to_end()
+            return web.json_response(self._response(req, model, gen), dumps=dumps)
+
+    def _logprobs(self, req: ChatCompletionRequest, token_ids: list[int], positions: list[PositionLogprobs]) -> dict:
+        k = req.top_logprobs or 0
+
+        def entry(lp: Logprob) -> dict:
+            token = lp.decoded_token or ""
+            return {"token": token, "logprob": finite_logprob(lp.logprob), "bytes": list(token.encode("utf-8"))}
+
+        content = []
+        for tid, pos in zip(token_ids, positions):
+            # A position lists the top-k in rank order, then the sampled token if it is not among them.
+            item = entry(pos[tid])
+            item["top_logprobs"] = [entry(lp) for lp in list(pos.values())[:k]]
+            content.append(item)
+        return {"content": content}
+
+    def _response(self, req: ChatCompletionRequest, model: str, gen: Generation) -> dict:
+        choices = []
+        for c in gen.choices:
+            choice = {
+                "index": c.index,
+                "message": {"role": "assistant", "content": "".join(c.text)},
+                "logprobs": self._logprobs(req, c.token_ids, c.logprobs) if req.logprobs else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if req.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
+        body = {"id": gen.id, "object": "chat.completion", "created": gen.created, "model": model,
+                "choices": choices, "usage": gen.usage()}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = gen.inputs[0].token_ids
+        return body
+
+    async def _stream(self, request: web.Request, req: ChatCompletionRequest, model: str,
+                      gen: Generation) -> web.StreamResponse:
+        sse = SSEStream(request)
+        await sse.start()
+        opts = req.stream_options
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> dict:
+            body = {"id": gen.id, "object": "chat.completion.chunk", "created": gen.created, "model": model,
+                    "choices": choices}
+            if usage is not None:
+                body["usage"] = usage
+            return body
+
+        try:
+            # OpenAI's first chunk per choice carries the role and no text yet.
+            for c in gen.choices:
+                first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}
+                if req.return_token_ids:
+                    first["prompt_token_ids"] = gen.inputs[0].token_ids
+                await sse.send(chunk([first], gen.usage() if opts.continuous_usage_stats else None))
+            async for i, out in gen.outputs():
+                choices = []
+                for o in out.outputs:
+                    c = gen.choice(i, o)
+                    logprobs = self._logprobs(req, o.token_ids, o.logprobs or []) if req.logprobs else None
+                    if not o.text and o.finish_reason is None and not (logprobs and logprobs["content"]) and not (
+                        req.return_token_ids and o.token_ids
+                    ):
+                        continue  # nothing a client can see (e.g. half of a multi-byte character)
+                    choice = {"index": c.index, "delta": {"content": o.text}, "logprobs": logprobs,
+                              "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+                    if req.return_token_ids:
+                        choice["token_ids"] = list(o.token_ids)
+                    choices.append(choice)
+                # One choice per event, as OpenAI and vLLM send them (clients read choices[0]).
+                for choice in choices:
+                    await sse.send(chunk([choice], gen.usage() if opts.continuous_usage_stats else None))
+            if opts.include_usage:
+                await sse.send(chunk([], gen.usage()))
+        except ConnectionError:
+            return sse.response  # client gone: leaving `async with gen` aborts the requests
+        except Exception as e:  # noqa: BLE001 - reported in-stream; the status line is already sent
+            await sse.send_error(stream_error(e))
+        return await sse.done()

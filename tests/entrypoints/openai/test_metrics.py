@@ -1,0 +1,70 @@
+"""/metrics: Prometheus text that prometheus-client's parser reads, vLLM's names under `hybridkv:`,
+and counters that move with traffic."""
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from server_harness import MODEL
+
+PROMPT = "hybrid attention keeps a sliding window and compressed entries " * 2
+
+
+def scrape(srv) -> dict[tuple[str, tuple], float]:
+    status, headers, raw = srv.request("GET", "/metrics", auth=False)
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(raw.decode()):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def value(samples, name: str, **labels) -> float:
+    labels = {"model_name": MODEL, **labels}
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_parse_and_counters_move(srv, client):
+    before = scrape(srv)
+    for name in ("hybridkv:num_requests_running", "hybridkv:num_requests_waiting"):
+        assert (name, (("model_name", MODEL),)) in before
+    assert ("hybridkv:kv_cache_usage_perc", (("model_name", MODEL), ("space", "full"))) in before
+
+    for _ in range(2):  # the second run hits the first's cached pages
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                        temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    after = scrape(srv)
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("hybridkv:generation_tokens_total") == 12
+    assert delta("hybridkv:prompt_tokens_total") > 0
+    assert delta("hybridkv:prefix_cache_queries_total") > 0
+    assert delta("hybridkv:prefix_cache_hits_total") > 0
+    assert delta("hybridkv:request_success_total", finished_reason="length") == 3
+    assert delta("hybridkv:time_to_first_token_seconds_count") == 3
+    assert delta("hybridkv:e2e_request_latency_seconds_count") == 3
+    assert delta("hybridkv:request_queue_time_seconds_count") == 3
+    assert delta("hybridkv:inter_token_latency_seconds_count") == 9  # 3 requests x (4 - 1) gaps
+    assert delta("hybridkv:request_time_per_output_token_seconds_count") == 3
+    assert value(after, "hybridkv:num_preemptions_total") >= 0
+    pages = {state: value(after, "hybridkv:kv_cache_pages", space="full", state=state)
+             for state in ("free", "cached", "in_use")}
+    assert pages["cached"] > 0  # the prompts' pages stay in the prefix cache
+
+
+def test_two_apps_in_one_process_have_separate_registries(srv, tiny_ckpt):
+    from server_harness import launch
+
+    ours_before = value(scrape(srv), "hybridkv:time_to_first_token_seconds_count")
+    other = launch(tiny_ckpt("llama"), api_key=None)
+    try:
+        other.client().completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        assert value(scrape(other), "hybridkv:time_to_first_token_seconds_count") == 1
+        assert value(scrape(srv), "hybridkv:time_to_first_token_seconds_count") == ours_before
+        other.engine.check_idle()
+    finally:
+        other.stop()

@@ -1,0 +1,88 @@
+"""`hybridkv serve` as users run it: a subprocess that logs its URL, answers plain HTTP with the API key
+from the environment, and on SIGINT ends in-flight streams and exits with status 0."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _post(url: str, body: dict, key: str | None) -> urllib.request.Request:
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+
+
+@pytest.mark.slow
+def test_serve_subprocess_answers_http_and_exits_0_on_sigint(tiny_ckpt):
+    env = {**os.environ, "HYBRIDKV_API_KEY": "env-key", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "entrypoints.cli", "serve", tiny_ckpt("llama"), "--port", "0", "--max-model-len",
+         "256", "--served-model-name", "tiny", "--disable-access-log"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    log: list[str] = []
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    try:
+        url = None
+        deadline = time.monotonic() + 120
+        while url is None:
+            assert proc.poll() is None, "server exited early:\n" + "".join(log)
+            try:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail("no startup line within 120 s:\n" + "".join(log))
+            log.append(line)
+            m = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
+            url = m.group(1) if m else None
+        startup = "".join(log)
+        assert "KV space 'full'" in startup and "API key required" in startup
+
+        with urllib.request.urlopen(_post(f"{url}/v1/completions",
+                                          {"model": "tiny", "prompt": "hello", "max_tokens": 3}, "env-key")) as r:
+            body = json.loads(r.read())
+        assert r.status == 200 and body["object"] == "text_completion" and body["usage"]["completion_tokens"] >= 1
+        with urllib.request.urlopen(f"{url}/health") as r:
+            assert r.status == 200
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(_post(f"{url}/v1/completions", {"prompt": "hello"}, None))
+        assert e.value.code == 401
+
+        # A long stream is in flight when SIGINT arrives: it must end cleanly, not hang.
+        tail: dict = {}
+
+        def stream() -> None:
+            req = _post(f"{url}/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 200,
+                                                  "stream": True, "ignore_eos": True}, "env-key")
+            with urllib.request.urlopen(req) as r:
+                first = r.readline()
+                tail["started"] = first.startswith(b"data: ")
+                tail["rest"] = r.read()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while "started" not in tail and t.is_alive():
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        t.join(10)
+        assert tail.get("started") and tail["rest"].endswith(b"data: [DONE]\n\n")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
