@@ -42,13 +42,16 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # Rotate q and k in one pass: fewer ops per layer matters at decode batch sizes.
+            qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q, k = qkv[:, : self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
+            q = apply_rotary(self.q_norm(q.view(T, self.num_heads, self.head_dim)), *rope)
+            k = apply_rotary(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), *rope)
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.space, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
 
