@@ -100,8 +100,10 @@ class KVCacheManager:
                         self.spaces[name].incref(page)
                         req.tables[name].append(page)
                 req.num_inserted_pages = len(hit.nodes)
-        need_pages = -(-num_tokens // self.page_size)
-        needs = {name: need_pages - len(table) for name, table in req.tables.items()}
+        needs = {
+            name: self.specs[name].pages_for(num_tokens, self.page_size) - len(table)
+            for name, table in req.tables.items()
+        }
         if not self._make_room(needs):
             if new_request:
                 self._release_tables(req)
@@ -122,14 +124,31 @@ class KVCacheManager:
                 return False
         return True
 
-    def can_fit(self, num_tokens: int) -> bool:
+    def can_fit(self, num_tokens: int, max_chunk_tokens: int | None = None) -> bool:
         """Whether a new request of num_tokens could ever fit into an empty cache."""
-        need = -(-num_tokens // self.page_size)
-        return all(need <= s.num_pages for s in self.spaces.values() if not s.spec.windowed) and all(
-            -(-min(num_tokens, s.spec.window + self.page_size) // self.page_size) <= s.num_pages
-            for s in self.spaces.values()
-            if s.spec.windowed
-        )
+        return not self.spaces_short_for(num_tokens, max_chunk_tokens)
+
+    def pages_needed(self, num_tokens: int, max_chunk_tokens: int | None = None) -> dict[str, int]:
+        """Most pages one request of num_tokens holds at once in each space, when it is
+        computed in chunks of at most max_chunk_tokens (default: one page). A windowed space
+        holds its window plus the chunk being computed (released after each step)."""
+        P = self.page_size
+        chunk = max_chunk_tokens or P
+        out = {}
+        for name, space in self.spaces.items():
+            need = space.spec.pages_for(num_tokens, P)
+            if space.spec.windowed:
+                need = min(need, -(-(space.spec.window - 1 + chunk) // P) + 1)
+            out[name] = need
+        return out
+
+    def spaces_short_for(self, num_tokens: int, max_chunk_tokens: int | None = None) -> list[str]:
+        """Spaces too small for one request of num_tokens, as 'name (need N pages, have M)'."""
+        return [
+            f"{name} (needs {n} pages, has {self.spaces[name].num_pages})"
+            for name, n in self.pages_needed(num_tokens, max_chunk_tokens).items()
+            if n > self.spaces[name].num_pages
+        ]
 
     def cache_computed_pages(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Record the request's whole computed pages in the prefix index (so others can share them)."""

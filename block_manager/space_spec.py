@@ -33,6 +33,12 @@ class SpaceSpec:
             )
         return page_size // self.tokens_per_slot
 
+    def pages_for(self, num_tokens: int, page_size: int) -> int:
+        """Pages holding the slots of the first num_tokens tokens. A slot exists once all its
+        tokens_per_slot tokens do, so compressed spaces lag raw ones (C4 page i is taken when
+        token i*P + 3 arrives, not token i*P)."""
+        return -(-(num_tokens // self.tokens_per_slot) // self.slots_per_page(page_size))
+
     def bytes_per_page(self, page_size: int) -> int:
         return self.slots_per_page(page_size) * self.bytes_per_slot
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from block_manager.kv_cache_manager import KVCacheManager
@@ -63,14 +64,19 @@ class LLMEngine:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
 
         specs = self.runner.space_specs()
-        self.kv = KVCacheManager(specs, self._pages_per_space(specs), config.block_size, config.enable_prefix_caching)
-        if not self.kv.can_fit(self.max_model_len):
+        self.block_size = self._choose_block_size(specs)
+        budget = config.max_num_batched_tokens or max(2048, self.max_model_len)
+        self.kv = KVCacheManager(
+            specs, self._pages_per_space(specs, budget), self.block_size, config.enable_prefix_caching
+        )
+        short = self.kv.spaces_short_for(self.max_model_len, budget)
+        if short:
             raise ValueError(
                 f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds fewer pages than one "
-                f"max_model_len={self.max_model_len} sequence needs; raise it or lower max_model_len"
+                f"max_model_len={self.max_model_len} sequence needs in block space(s) {', '.join(short)}; "
+                f"raise it or lower max_model_len (or max_num_batched_tokens)"
             )
         self.runner.bind_kv_cache(self.kv)
-        budget = config.max_num_batched_tokens or max(2048, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, budget, self.max_model_len), self.kv
         )
@@ -80,21 +86,67 @@ class LLMEngine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         logger.info(
             "engine ready: model=%s dtype=%s max_model_len=%d block_size=%d spaces=%s prefix_caching=%s",
-            model_dir, self.runner.dtype, self.max_model_len, config.block_size,
+            model_dir, self.runner.dtype, self.max_model_len, self.block_size,
             {n: s.num_pages for n, s in self.kv.spaces.items()}, self.kv.enable_prefix_caching,
         )
 
-    def _pages_per_space(self, specs) -> dict[str, int]:
+    def _choose_block_size(self, specs) -> int:
+        """The page size: the user's, or the model's preferred one when the user left the default.
+
+        Page boundaries must be compression boundaries, so the page size must be a multiple
+        of every space's tokens_per_slot (DeepSeek-V4 prefers 128).
+        """
         P = self.config.block_size
-        bytes_per_page_all = sum(s.bytes_per_page(P) for s in specs)
+        preferred = getattr(self.runner.model, "default_block_size", None)
+        default = next(f.default for f in fields(EngineConfig) if f.name == "block_size")
+        if preferred is not None and P == default and P != preferred:
+            logger.info("block_size %d -> %d (this model's default page size)", P, preferred)
+            P = preferred
+        ratios = sorted({s.tokens_per_slot for s in specs})
+        if any(P % r for r in ratios):
+            lcm = math.lcm(*ratios)
+            raise ValueError(
+                f"block_size {P} is not a multiple of this model's compression ratios {ratios}: page "
+                f"boundaries must be compression boundaries; use a multiple of {lcm}"
+                + (f" (this model's default is {preferred})" if preferred else "")
+            )
+        return P
+
+    def _pages_per_space(self, specs, max_chunk_tokens: int) -> dict[str, int]:
+        """Split the KV memory between spaces by bytes per token of context.
+
+        Whole-history spaces (full, c4, c128, indexer) all get n pages (n pages cover n*P
+        tokens of history in each). A windowed space (swa, state) never needs more than every
+        running sequence's window (+2 pages: one straddling the window start, one partial)
+        plus one step's worth of new tokens, and never more than n + max_num_seqs pages;
+        n is the largest count for which everything fits in the budget.
+        """
+        P = self.block_size
+        seqs = self.config.max_num_seqs
+        whole = [s for s in specs if not s.windowed]
+        windowed = [s for s in specs if s.windowed]
+        cap = {s.name: seqs * (-(-(s.window - 1) // P) + 2) + -(-max_chunk_tokens // P) for s in windowed}
+        whole_bpp = sum(s.bytes_per_page(P) for s in whole)
+
+        def cost(n: int) -> int:
+            return n * whole_bpp + sum(min(n + seqs, cap[s.name]) * s.bytes_per_page(P) for s in windowed)
+
         budget = self.config.kv_cache_memory_bytes
+        n_default = -(-seqs * (self.max_model_len + P) // P)
         if budget is None:
-            need_tokens = self.config.max_num_seqs * (self.max_model_len + P)
-            budget = min(DEFAULT_KV_CACHE_CAP_BYTES, -(-need_tokens // P) * bytes_per_page_all)
-        # Every space holds the same number of logical pages (windowed spaces could hold fewer:
-        # the DeepSeek-V4 issue sizes them by bytes per token of context).
-        n = max(1, budget // bytes_per_page_all)
-        return {s.name: n for s in specs}
+            budget = min(DEFAULT_KV_CACHE_CAP_BYTES, cost(n_default))
+        if not whole:  # every space is windowed (e.g. Mistral): they share the whole budget
+            n = max(1, budget // sum(s.bytes_per_page(P) for s in specs))
+            if self.config.kv_cache_memory_bytes is None:
+                n = min(n, max(cap.values()))
+            return {s.name: n for s in specs}
+        lo, hi = 1, max(1, budget // whole_bpp)
+        while lo < hi:  # largest n with cost(n) <= budget (cost is monotone in n)
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if cost(mid) <= budget else (lo, mid - 1)
+        pages = {s.name: lo for s in whole}
+        pages.update({s.name: max(1, min(lo + seqs, cap[s.name])) for s in windowed})
+        return pages
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

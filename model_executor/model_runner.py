@@ -63,9 +63,12 @@ class ModelRunner:
             model: CausalLM = cls(self.config, max_positions=max_model_len)
         model.load_weights(iter_weights(model_dir, allow_pickle=allow_pickle_weights))
         # Only parameters take the model dtype; RoPE tables stay float32 and are cast per use,
-        # as transformers does.
-        for p in model.parameters():
-            p.data = p.data.to(self.dtype)
+        # as transformers does. A model that keeps some tensors in float32 casts itself.
+        if hasattr(model, "cast_to"):
+            model.cast_to(self.dtype)
+        else:
+            for p in model.parameters():
+                p.data = p.data.to(self.dtype)
         self.model = model.eval()
         logger.info("loaded %s (%s) in %.1fs", model_dir, self.dtype, time.perf_counter() - t0)
         self.backend = TorchNativeAttention()
@@ -83,6 +86,11 @@ class ModelRunner:
     def bind_kv_cache(self, kv: KVCacheManager) -> None:
         """Allocate each space's physical tensors and hand every attention layer its slice."""
         self.kv = kv
+        if hasattr(self.model, "allocate_kv_cache"):
+            # Models with their own cache layout (e.g. DeepSeek-V4's five spaces) bind it themselves.
+            self.model.allocate_kv_cache(kv)
+            self.windows = {name: spec.window for name, spec in kv.specs.items()}
+            return
         layers = self.model.attention_layers()
         per_space: dict[str, list] = {}
         for attn in layers:
@@ -114,7 +122,10 @@ class ModelRunner:
                 name: [self.kv.page_table(s.request.request_id, name) for s in items] for name in self.windows
             },
         )
-        meta = build_attention_metadata(seqs, self.windows, self.kv.page_size)
+        if hasattr(self.model, "build_attention_metadata"):
+            meta = self.model.build_attention_metadata(seqs, self.kv.page_size)
+        else:
+            meta = build_attention_metadata(seqs, self.windows, self.kv.page_size)
         hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta)
 
         if self.captured_logits is not None:

@@ -7,7 +7,9 @@ Every tensor is re-initialised at O(1)-activation scales, as the reference scrip
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 import torch
 
@@ -121,3 +123,14 @@ def hf_v4_model(path: str):
     from transformers import DeepseekV4ForCausalLM
 
     return DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """Tiny shapes run fastest on one intra-op thread (and do not fight other test processes)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from model_executor.models.base import CausalLM
+from model_executor.models.deepseek_v4 import DeepseekV4ForCausalLM
 from model_executor.models.llama import LlamaForCausalLM
 
 _REGISTRY: dict[str, type[CausalLM]] = {
@@ -9,6 +10,7 @@ _REGISTRY: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
 }
 
 

@@ -1,0 +1,226 @@
+"""Per-step metadata for hybrid (DeepSeek-V4-style) attention over five paged spaces.
+
+Spaces (names fixed by the model's SpaceSpecs):
+  swa      one slot per token, windowed: K(=V) of every layer's sliding branch
+  state    one slot per token, windowed: raw compressor rows (C, Z) a window needs to close
+  c4       one slot per csa_ratio tokens: CSA compressed entries
+  indexer  one slot per csa_ratio tokens: lightning-indexer keys (same entry index as c4)
+  c128     one slot per hca_ratio tokens: HCA compressed entries
+Page i of every space covers tokens [i*P, (i+1)*P); a space with r tokens per slot holds
+P/r slots per page, so entry w lives in page w // (P/r), slot w % (P/r).
+
+Built once per step (host side, vectorised), shared by every layer:
+  * slot mappings where the new tokens' SWA keys and state rows are written,
+  * compression plans: for every window that closes inside this step (token (w+1)m-1 is
+    new), the state slots of the rows it pools and the slots its entry is written to,
+  * query blocks: groups of queries with the SWA keys and the causal compressed entries
+    each may read. Decode queries are batched in padded blocks (per-query key lists);
+    prefill chunks are split into row blocks sharing one key list plus a mask, so memory
+    stays bounded for long chunks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from attention_backends.metadata import StepSequences
+
+NULL_PAGE = -1
+PREFILL_BLOCK_ROWS = 256  # queries per prefill block (bounds the [rows, keys] score tensors)
+DECODE_BLOCK_SEQS = 64  # decode sequences per padded block
+
+SWA, STATE, C4, INDEXER, C128 = "swa", "state", "c4", "indexer", "c128"
+
+
+@dataclass(frozen=True)
+class HybridLayout:
+    page_size: int
+    window: int  # sliding window (keys [pos - window + 1, pos])
+    csa_ratio: int | None  # None when the model has no CSA layer
+    hca_ratio: int | None  # None when the model has no HCA layer
+
+    def compressed_spaces(self) -> dict[str, int]:
+        """Compressed space -> tokens per slot."""
+        out = {}
+        if self.csa_ratio:
+            out[C4] = self.csa_ratio
+            out[INDEXER] = self.csa_ratio
+        if self.hca_ratio:
+            out[C128] = self.hca_ratio
+        return out
+
+
+@dataclass
+class KeySet:
+    """Keys a block of n queries may read: slots [L] (shared) or [n, L] (per query), mask [n, L]."""
+
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+    @property
+    def shared(self) -> bool:
+        return self.slots.dim() == 1
+
+    @property
+    def length(self) -> int:
+        return self.slots.shape[-1]
+
+
+@dataclass
+class QueryBlock:
+    start: int  # rows [start, end) of the step's flat token batch
+    end: int
+    swa: KeySet
+    entries: dict[str, KeySet] = field(default_factory=dict)  # compressed space -> causal entries
+
+
+@dataclass
+class CompressionPlan:
+    """Windows that close this step, for one compressor kind."""
+
+    ratio: int
+    overlap: bool
+    row_slots: torch.Tensor  # [E, rows_per_entry] state slots, window order
+    row_valid: torch.Tensor  # [E, rows_per_entry] False for rows before position 0
+    positions: torch.Tensor  # [E] first token of each window (its RoPE position)
+    out_slots: dict[str, torch.Tensor]  # space -> [E] slot of the new entry
+
+    @property
+    def num_entries(self) -> int:
+        return self.positions.numel()
+
+
+@dataclass
+class HybridAttentionMetadata:
+    num_tokens: int
+    swa_slot_mapping: torch.Tensor  # [T]
+    state_slot_mapping: torch.Tensor  # [T]
+    plans: dict[str, CompressionPlan]  # "csa" / "hca"
+    blocks: list[QueryBlock]
+
+
+def _table(pages: list[int]) -> torch.Tensor:
+    return torch.tensor(pages if pages else [NULL_PAGE], dtype=torch.long)
+
+
+def _token_slots(table: torch.Tensor, pos: torch.Tensor, page_size: int, check: bool = False) -> torch.Tensor:
+    """Slot of each token position through a page table ([pages] or [B, pages]); NULL -> 0."""
+    idx = (pos // page_size).clamp(max=table.shape[-1] - 1)
+    page = table[idx] if table.dim() == 1 else table.gather(1, idx)
+    if check and bool((page < 0).any()):
+        raise AssertionError("a read or write reached a released (out-of-window) page")
+    return torch.where(page >= 0, page * page_size + pos % page_size, 0)
+
+
+def _entry_slots(table: torch.Tensor, w: torch.Tensor, slots_per_page: int) -> torch.Tensor:
+    idx = (w // slots_per_page).clamp(max=table.shape[-1] - 1)
+    page = table[idx] if table.dim() == 1 else table.gather(1, idx)
+    return torch.where(page >= 0, page * slots_per_page + w % slots_per_page, 0)
+
+
+def _padded(tables: list[list[int]]) -> torch.Tensor:
+    width = max(1, max(len(t) for t in tables))
+    return torch.tensor([t + [NULL_PAGE] * (width - len(t)) for t in tables], dtype=torch.long)
+
+
+def _plan(
+    seqs: StepSequences, layout: HybridLayout, ratio: int, overlap: bool, out_spaces: list[str]
+) -> CompressionPlan:
+    P = layout.page_size
+    rows = (2 if overlap else 1) * ratio
+    row_slots, row_valid, positions = [], [], []
+    out: dict[str, list[torch.Tensor]] = {s: [] for s in out_spaces}
+    for i, (q, c) in enumerate(zip(seqs.query_lens, seqs.context_lens)):
+        s = c - q
+        w = torch.arange(s // ratio, c // ratio)  # windows whose last token is new this step
+        if w.numel() == 0:
+            continue
+        first = w * ratio - (ratio if overlap else 0)
+        pos = first[:, None] + torch.arange(rows)[None, :]
+        valid = pos >= 0
+        state = _table(seqs.page_tables[STATE][i])
+        slots = _token_slots(state, pos.clamp(min=0), P)
+        page = state[(pos.clamp(min=0) // P).clamp(max=state.numel() - 1)]
+        if bool(((page < 0) & valid).any()):
+            raise AssertionError("compression needs state rows from a released page; the state window is too small")
+        row_slots.append(torch.where(valid, slots, 0))
+        row_valid.append(valid)
+        positions.append(w * ratio)
+        for space in out_spaces:
+            out[space].append(_entry_slots(_table(seqs.page_tables[space][i]), w, P // ratio))
+    if not positions:
+        empty = torch.empty(0, dtype=torch.long)
+        return CompressionPlan(ratio, overlap, torch.empty(0, rows, dtype=torch.long),
+                               torch.empty(0, rows, dtype=torch.bool), empty, {s: empty for s in out_spaces})
+    return CompressionPlan(
+        ratio, overlap, torch.cat(row_slots), torch.cat(row_valid), torch.cat(positions),
+        {s: torch.cat(v) for s, v in out.items()},
+    )
+
+
+def _decode_block(seqs: StepSequences, layout: HybridLayout, lo: int, hi: int, row0: int) -> QueryBlock:
+    P, W = layout.page_size, layout.window
+    pos = torch.tensor(seqs.context_lens[lo:hi]) - 1  # [B] the single query of each sequence
+    kpos = pos[:, None] - W + 1 + torch.arange(W)[None, :]
+    valid = kpos >= 0
+    swa = KeySet(_token_slots(_padded(seqs.page_tables[SWA][lo:hi]), kpos.clamp(min=0), P), valid)
+    entries = {}
+    for space, ratio in layout.compressed_spaces().items():
+        count = (pos + 1) // ratio
+        n = int(count.max())
+        w = torch.arange(n)[None, :].expand(len(pos), n)
+        slots = _entry_slots(_padded(seqs.page_tables[space][lo:hi]), w, P // ratio) if n else w
+        entries[space] = KeySet(slots, w < count[:, None])
+    return QueryBlock(row0, row0 + (hi - lo), swa, entries)
+
+
+def _prefill_blocks(seqs: StepSequences, layout: HybridLayout, i: int, row0: int) -> list[QueryBlock]:
+    P, W = layout.page_size, layout.window
+    q, c = seqs.query_lens[i], seqs.context_lens[i]
+    s = c - q
+    swa_table = _table(seqs.page_tables[SWA][i])
+    tables = {space: _table(seqs.page_tables[space][i]) for space in layout.compressed_spaces()}
+    blocks = []
+    for a in range(s, c, PREFILL_BLOCK_ROWS):
+        b = min(c, a + PREFILL_BLOCK_ROWS)
+        qpos = torch.arange(a, b)
+        kpos = torch.arange(max(0, a - W + 1), b)
+        rel = qpos[:, None] - kpos[None, :]
+        swa = KeySet(_token_slots(swa_table, kpos, P, check=True), (rel >= 0) & (rel < W))
+        entries = {}
+        for space, ratio in layout.compressed_spaces().items():
+            w = torch.arange(b // ratio)  # entries the last query of the block may see
+            entries[space] = KeySet(_entry_slots(tables[space], w, P // ratio), w[None, :] < ((qpos + 1) // ratio)[:, None])
+        blocks.append(QueryBlock(row0 + a - s, row0 + b - s, swa, entries))
+    return blocks
+
+
+def build_hybrid_metadata(seqs: StepSequences, layout: HybridLayout) -> HybridAttentionMetadata:
+    """Token order: the one-query sequences first (decodes), then prefill chunks (as the runner orders them)."""
+    P = layout.page_size
+    slot_swa, slot_state = [], []
+    for i, (q, c) in enumerate(zip(seqs.query_lens, seqs.context_lens)):
+        pos = torch.arange(c - q, c)
+        slot_swa.append(_token_slots(_table(seqs.page_tables[SWA][i]), pos, P, check=True))
+        if STATE in seqs.page_tables:
+            slot_state.append(_token_slots(_table(seqs.page_tables[STATE][i]), pos, P, check=True))
+    empty = torch.empty(0, dtype=torch.long)
+    plans = {}
+    if layout.csa_ratio:
+        plans["csa"] = _plan(seqs, layout, layout.csa_ratio, True, [C4, INDEXER])
+    if layout.hca_ratio:
+        plans["hca"] = _plan(seqs, layout, layout.hca_ratio, False, [C128])
+    nd = seqs.num_decodes
+    blocks = [_decode_block(seqs, layout, lo, min(nd, lo + DECODE_BLOCK_SEQS), lo) for lo in range(0, nd, DECODE_BLOCK_SEQS)]
+    row = nd
+    for i in range(nd, len(seqs.query_lens)):
+        blocks.extend(_prefill_blocks(seqs, layout, i, row))
+        row += seqs.query_lens[i]
+    return HybridAttentionMetadata(
+        num_tokens=sum(seqs.query_lens),
+        swa_slot_mapping=torch.cat(slot_swa) if slot_swa else empty,
+        state_slot_mapping=torch.cat(slot_state) if slot_state else empty,
+        plans=plans,
+        blocks=blocks,
+    )

@@ -1,0 +1,118 @@
+"""DeepSeek-V4 attention block (sliding, CSA and HCA layers share it).
+
+  c_q = q_norm(wq_a x);  q = RoPE(unweightedRMS(wq_b c_q per head))
+  k = v = RoPE(norm(wkv x))          one shared head
+  compressors (CSA/HCA) turn closed token windows into entries; the CSA indexer picks top-k
+  o = joint softmax over [SWA window | entries | sink] (hybrid backend)
+  o = RoPE⁻¹(o) at the query position (values carried RoPE), then grouped output projection.
+Sliding layers rotate with the main θ, CSA/HCA layers with the compress θ (+YaRN) for
+everything: q, k, entries and indexer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from attention_backends.hybrid_metadata import C4, C128, INDEXER, HybridAttentionMetadata
+from attention_backends.hybrid_v4 import HybridV4Attention, IndexerQuery, write_slots
+from model_executor.models.deepseek_v4.compressor import Compressor
+from model_executor.models.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
+from model_executor.models.deepseek_v4.indexer import Indexer
+from model_executor.models.deepseek_v4.norms import V4RMSNorm, rms_normalize
+from model_executor.models.deepseek_v4.rope import InterleavedRope
+
+
+@dataclass
+class CompressorCache:
+    """Paged tensors of one compressor: raw rows in the state space, entries in their space."""
+
+    state_kv: torch.Tensor  # [state slots, κD] float32
+    state_gate: torch.Tensor  # [state slots, κD] float32
+    entries: torch.Tensor  # [entry slots, D]
+
+
+@dataclass
+class V4LayerCache:
+    """This layer's views of the block spaces (bound by the model's allocate_kv_cache)."""
+
+    swa: torch.Tensor  # [swa slots, D]
+    compressor: CompressorCache | None = None  # c4 (CSA) or c128 (HCA) entries
+    indexer: CompressorCache | None = None  # indexer keys (CSA)
+
+
+class V4Attention(nn.Module):
+    def __init__(self, cfg: V4Config, layer_idx: int, main_rope: InterleavedRope, compress_rope: InterleavedRope) -> None:
+        super().__init__()
+        self.layer_type = cfg.layer_types[layer_idx]
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.o_groups, self.eps = cfg.o_groups, cfg.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        d, D, H = cfg.hidden_size, cfg.head_dim, cfg.num_heads
+        self.wq_a = nn.Linear(d, cfg.q_lora_rank, bias=False)
+        self.q_norm = V4RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, H * D, bias=False)
+        self.wkv = nn.Linear(d, D, bias=False)
+        self.norm = V4RMSNorm(D, cfg.rms_norm_eps)
+        # Grouped output projection: rows [g*d_g, (g+1)*d_g) of wo_a act on head group g.
+        self.wo_a = nn.Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
+        self.attn_sink = nn.Parameter(torch.empty(H))  # float32 in every dtype
+        self.rope = main_rope if self.layer_type == SLIDING else compress_rope
+        self.compressor: Compressor | None = None
+        self.indexer: Indexer | None = None
+        if self.layer_type == CSA:
+            self.compressor = Compressor(d, D, cfg.csa_ratio, True, cfg.rms_norm_eps, compress_rope)
+            self.indexer = Indexer(cfg, compress_rope)
+        elif self.layer_type == HCA:
+            self.compressor = Compressor(d, D, cfg.hca_ratio, False, cfg.rms_norm_eps, compress_rope)
+        # Bound by the model runner (DeepseekV4ForCausalLM.allocate_kv_cache).
+        self.cache: V4LayerCache | None = None
+        self.backend = HybridV4Attention()
+
+    @property
+    def plan_kind(self) -> str | None:
+        return {CSA: "csa", HCA: "hca"}.get(self.layer_type)
+
+    def _compress(self, comp: Compressor, cache: CompressorCache, x: torch.Tensor, meta: HybridAttentionMetadata,
+                  out_space: str) -> None:
+        """Write the new tokens' raw rows, then pool every window that closed this step."""
+        kv, gate = comp.project(x)
+        write_slots(cache.state_kv, meta.state_slot_mapping, kv)
+        write_slots(cache.state_gate, meta.state_slot_mapping, gate)
+        plan = meta.plans[self.plan_kind]
+        if plan.num_entries:
+            entries = comp.pool(
+                cache.state_kv[plan.row_slots], cache.state_gate[plan.row_slots], plan.row_valid, plan.positions,
+                cache.entries.dtype,
+            )
+            write_slots(cache.entries, plan.out_slots[out_space], entries)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: HybridAttentionMetadata) -> torch.Tensor:
+        T, H, D = x.shape[0], self.num_heads, self.head_dim
+        cache = self.cache
+        q_latent = self.q_norm(self.wq_a(x))
+        q = rms_normalize(self.wq_b(q_latent).view(T, H, D), self.eps)
+        q = self.rope(q, positions)
+        kv = self.rope(self.norm(self.wkv(x)), positions)
+        write_slots(cache.swa, meta.swa_slot_mapping, kv)
+
+        entry_cache, entry_space, indexer_query = None, None, None
+        if self.layer_type == CSA:
+            self._compress(self.compressor, cache.compressor, x, meta, C4)
+            self._compress(self.indexer.compressor, cache.indexer, x, meta, INDEXER)
+            iq, iw = self.indexer.queries(x, q_latent, positions)
+            indexer_query = IndexerQuery(iq, iw, cache.indexer.entries, INDEXER, self.indexer.topk, self.indexer.scale)
+            entry_cache, entry_space = cache.compressor.entries, C4
+        elif self.layer_type == HCA:
+            self._compress(self.compressor, cache.compressor, x, meta, C128)
+            entry_cache, entry_space = cache.compressor.entries, C128
+
+        o = self.backend.forward(q, cache.swa, meta, self.attn_sink, self.scale, entry_cache, entry_space, indexer_query)
+        o = self.rope(o, positions, inverse=True)
+        G = self.o_groups
+        grouped = o.reshape(T, G, -1)  # heads are contiguous within a group
+        w = self.wo_a.weight.view(G, -1, grouped.shape[-1])  # [G, d_g, H*D/G]
+        u = torch.einsum("tgi,gri->tgr", grouped, w).reshape(T, -1)
+        return self.wo_b(u)

@@ -1,0 +1,153 @@
+"""DeepseekV4ForCausalLM over five paged block spaces (swa, c4, c128, indexer, state).
+
+Per token the model keeps: its SWA key in every layer (windowed), the compressor raw rows
+of CSA/HCA layers (windowed `state`: only the rows an unfinished window still needs), and
+once a window closes its C4 entry + indexer key (CSA) or C128 entry (HCA) for good. The
+runner calls allocate_kv_cache / build_attention_metadata (model hooks) instead of its
+dense-model defaults.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from attention_backends.hybrid_metadata import (
+    C4, C128, INDEXER, STATE, SWA, HybridAttentionMetadata, HybridLayout, build_hybrid_metadata,
+)
+from attention_backends.metadata import StepSequences
+from block_manager.space_spec import SpaceSpec
+from model_executor.models.base import CausalLM
+from model_executor.models.deepseek_v4.attention import CompressorCache, V4Attention, V4LayerCache
+from model_executor.models.deepseek_v4.config import CSA, V4Config
+from model_executor.models.deepseek_v4.mhc import HyperConnection, HyperHead
+from model_executor.models.deepseek_v4.moe import V4MoE
+from model_executor.models.deepseek_v4.norms import V4RMSNorm
+from model_executor.models.deepseek_v4.rope import InterleavedRope, inv_freq_from_params
+from model_executor.models.deepseek_v4.weights import load_v4_weights
+
+STATE_DTYPE = torch.float32  # compressor raw rows: kept in float32 whatever the model dtype
+# Tensors transformers keeps in float32 in every dtype (its _keep_in_fp32_modules_strict).
+_FP32_SUFFIXES = ("attn_sink", ".ape", "norm.weight", "hc_attn.fn", "hc_attn.base", "hc_attn.scale",
+                  "hc_ffn.fn", "hc_ffn.base", "hc_ffn.scale", "hc_fn", "hc_base", "hc_scale")
+
+
+class V4DecoderLayer(nn.Module):
+    def __init__(self, cfg: V4Config, i: int, main_rope: InterleavedRope, compress_rope: InterleavedRope) -> None:
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.attn_norm = V4RMSNorm(d, eps)
+        self.attn = V4Attention(cfg, i, main_rope, compress_rope)
+        self.ffn_norm = V4RMSNorm(d, eps)
+        self.ffn = V4MoE(cfg, i)
+        self.hc_attn = HyperConnection(cfg.hc_mult, d, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+        self.hc_ffn = HyperConnection(cfg.hc_mult, d, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+
+    def forward(self, streams: torch.Tensor, positions: torch.Tensor, meta: HybridAttentionMetadata,
+                input_ids: torch.Tensor) -> torch.Tensor:
+        x, post, comb = self.hc_attn(streams)
+        streams = HyperConnection.expand(streams, self.attn(self.attn_norm(x), positions, meta), post, comb)
+        x, post, comb = self.hc_ffn(streams)
+        return HyperConnection.expand(streams, self.ffn(self.ffn_norm(x), input_ids), post, comb)
+
+
+class DeepseekV4ForCausalLM(CausalLM):
+    # Page boundaries must be compression boundaries: 128 is a multiple of every V4 ratio.
+    default_block_size = 128
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        cfg = V4Config.from_hf(config)
+        self.config, self.cfg = config, cfg
+        main_rope = InterleavedRope(inv_freq_from_params(cfg.main_rope, cfg.rope_dim, max_positions))
+        compress_rope = InterleavedRope(inv_freq_from_params(cfg.compress_rope, cfg.rope_dim, max_positions))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(V4DecoderLayer(cfg, i, main_rope, compress_rope) for i in range(cfg.num_layers))
+        self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
+        self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    # -- block spaces ------------------------------------------------------------------------
+    def space_specs(self, dtype: torch.dtype) -> list[SpaceSpec]:
+        cfg = self.cfg
+        elt = torch.tensor([], dtype=dtype).element_size()
+        f32 = torch.tensor([], dtype=STATE_DTYPE).element_size()
+        D, cI = cfg.head_dim, cfg.index_head_dim
+        n_csa, n_hca = cfg.num_csa_layers, cfg.num_hca_layers
+        specs = [SpaceSpec(SWA, 1, cfg.num_layers * D * elt, window=cfg.sliding_window)]
+        if n_csa:
+            specs.append(SpaceSpec(C4, cfg.csa_ratio, n_csa * D * elt))
+        if n_hca:
+            specs.append(SpaceSpec(C128, cfg.hca_ratio, n_hca * D * elt))
+        if n_csa:
+            specs.append(SpaceSpec(INDEXER, cfg.csa_ratio, n_csa * cI * elt))
+        if n_csa or n_hca:
+            # (C, Z) rows per token: CSA 2·2D (+ indexer 2·2cI), HCA 2·D. A closing window reads
+            # back 2m tokens (CSA, overlapping) or m (HCA): that is the state window.
+            row_bytes = f32 * (n_csa * (4 * D + 4 * cI) + n_hca * 2 * D)
+            window = max(2 * cfg.csa_ratio if n_csa else 0, cfg.hca_ratio if n_hca else 0)
+            specs.append(SpaceSpec(STATE, 1, row_bytes, window=window))
+        return specs
+
+    def layout(self, page_size: int) -> HybridLayout:
+        cfg = self.cfg
+        return HybridLayout(
+            page_size, cfg.sliding_window,
+            cfg.csa_ratio if cfg.num_csa_layers else None,
+            cfg.hca_ratio if cfg.num_hca_layers else None,
+        )
+
+    def allocate_kv_cache(self, kv) -> None:
+        """Runner hook: allocate every space's tensors and bind each layer's views (zero-filled:
+        padded reads are masked but must be finite)."""
+        P = kv.page_size
+        dtype = self.head.weight.dtype
+        slots = {name: s.num_pages * s.spec.slots_per_page(P) for name, s in kv.spaces.items()}
+        D, cI = self.cfg.head_dim, self.cfg.index_head_dim
+        swa = torch.zeros(self.cfg.num_layers, slots[SWA], D, dtype=dtype)
+        for i, layer in enumerate(self.layers):
+            attn = layer.attn
+            cache = V4LayerCache(swa=swa[i])
+            if attn.compressor is not None:
+                width = attn.compressor.row_width
+                space = C4 if attn.layer_type == CSA else C128
+                cache.compressor = CompressorCache(
+                    torch.zeros(slots[STATE], width, dtype=STATE_DTYPE),
+                    torch.zeros(slots[STATE], width, dtype=STATE_DTYPE),
+                    torch.zeros(slots[space], D, dtype=dtype),
+                )
+            if attn.indexer is not None:
+                width = attn.indexer.compressor.row_width
+                cache.indexer = CompressorCache(
+                    torch.zeros(slots[STATE], width, dtype=STATE_DTYPE),
+                    torch.zeros(slots[STATE], width, dtype=STATE_DTYPE),
+                    torch.zeros(slots[INDEXER], cI, dtype=dtype),
+                )
+            attn.cache = cache
+
+    def build_attention_metadata(self, seqs: StepSequences, page_size: int) -> HybridAttentionMetadata:
+        """Runner hook: per-step slot mappings, compression plans and query blocks."""
+        return build_hybrid_metadata(seqs, self.layout(page_size))
+
+    def cast_to(self, dtype: torch.dtype) -> None:
+        """Runner hook: cast to the model dtype except the tensors V4 keeps in float32."""
+        for name, p in self.named_parameters():
+            p.data = p.data.to(torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype)
+
+    # -- the model contract ------------------------------------------------------------------
+    def attention_layers(self) -> list[V4Attention]:
+        return [layer.attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: HybridAttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, positions, meta, input_ids)
+        return self.norm(self.hc_head(streams))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_v4_weights(self, weights)

@@ -1,0 +1,126 @@
+"""DeepSeek-V4's five block spaces: what the model declares, how the engine sizes and picks
+pages, how much each space holds for a long sequence, and the user-facing entry points."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.sampling_params import SamplingParams
+from entrypoints import LLM
+from tiny_deepseek_v4 import build_v4_checkpoint, single_thread
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """Tiny V4 (HCA ratio 16, window 16) with room for 8k positions."""
+    return build_v4_checkpoint(str(tmp_path_factory.mktemp("v4_spaces")), max_position_embeddings=8192)
+
+
+def test_model_declares_five_spaces_and_engine_picks_page_128(ckpt):
+    llm = LLM(ckpt, dtype="float32", max_model_len=512, max_num_seqs=2)
+    kv = llm.engine.kv
+    assert kv.page_size == 128  # the default 16 is not a page for V4
+    specs = kv.specs
+    assert list(specs) == ["swa", "c4", "c128", "indexer", "state"]
+    D, cI, f32 = 32, 16, 4  # head_dim, index_head_dim of the tiny config; float32
+    assert (specs["swa"].tokens_per_slot, specs["swa"].window, specs["swa"].bytes_per_slot) == (1, 16, 4 * D * f32)
+    assert (specs["c4"].tokens_per_slot, specs["c4"].window, specs["c4"].bytes_per_slot) == (4, None, 2 * D * f32)
+    assert (specs["c128"].tokens_per_slot, specs["c128"].bytes_per_slot) == (16, 1 * D * f32)
+    assert (specs["indexer"].tokens_per_slot, specs["indexer"].bytes_per_slot) == (4, 2 * cI * f32)
+    # state: raw (C, Z) rows, float32: CSA 2x2D (+ indexer 2x2cI) per layer, HCA 2D; window 2x4 vs 16.
+    assert specs["state"].window == 16
+    assert specs["state"].bytes_per_slot == f32 * (2 * (4 * D + 4 * cI) + 2 * D)
+
+
+def test_page_size_must_be_a_multiple_of_every_ratio(ckpt):
+    with pytest.raises(ValueError, match=r"block_size 40 is not a multiple of this model's compression ratios \[1, 4, 16\]"):
+        LLM(ckpt, dtype="float32", max_model_len=512, max_num_seqs=2, block_size=40)
+    llm = LLM(ckpt, dtype="float32", max_model_len=512, max_num_seqs=2, block_size=32)  # an explicit page size is kept
+    assert llm.engine.kv.page_size == 32
+
+
+def test_memory_is_split_by_bytes_per_token_of_context(ckpt):
+    budget = 64 << 20
+    llm = LLM(ckpt, dtype="float32", max_model_len=2048, max_num_seqs=4, max_num_batched_tokens=256,
+              kv_cache_memory_bytes=budget)
+    kv = llm.engine.kv
+    P = kv.page_size
+    pages = {n: s.num_pages for n, s in kv.spaces.items()}
+    # Whole-history spaces hold the same number of pages (each page = P tokens of history) ...
+    assert pages["c4"] == pages["c128"] == pages["indexer"] > 100
+    # ... windowed ones only each sequence's window (+2 pages) plus one step of new tokens.
+    for name in ("swa", "state"):
+        window = kv.specs[name].window
+        assert pages[name] == 4 * (math.ceil((window - 1) / P) + 2) + math.ceil(256 / P)
+    used = sum(s.num_pages * s.spec.bytes_per_page(P) for s in kv.spaces.values())
+    assert used <= budget
+    whole_page = sum(kv.specs[n].bytes_per_page(P) for n in ("c4", "c128", "indexer"))
+    assert budget - used < whole_page  # the rest of the budget went to history
+
+
+def test_capacity_error_names_the_space(ckpt):
+    """Room for the windows but only 8 pages of history: the error names the history spaces."""
+    kv = LLM(ckpt, dtype="float32", max_model_len=512, max_num_seqs=1).engine.kv
+    bpp = {n: s.bytes_per_page(128) for n, s in kv.specs.items()}
+    budget = 4 * (bpp["swa"] + bpp["state"]) + 8 * (bpp["c4"] + bpp["c128"] + bpp["indexer"])
+    with pytest.raises(ValueError) as err:
+        LLM(ckpt, dtype="float32", max_model_len=2048, max_num_seqs=1, max_num_batched_tokens=128,
+            kv_cache_memory_bytes=budget)
+    msg = str(err.value)
+    for name in ("c4", "c128", "indexer"):
+        assert f"{name} (needs 16 pages, has 8)" in msg
+    assert "swa (" not in msg and "state (" not in msg
+
+
+@pytest.mark.slow
+def test_a_4k_sequence_holds_one_window_of_swa_and_exact_compressed_pages(ckpt):
+    """After every step of a 4k-token prompt + decode: SWA <= ceil(window/page)+1 pages,
+    state likewise for its window, c4/c128/indexer exactly ceil(entries/slots-per-page)."""
+    llm = LLM(ckpt, dtype="float32", max_model_len=8192, max_num_seqs=2, max_num_batched_tokens=512)
+    eng, kv = llm.engine, llm.engine.kv
+    P = kv.page_size
+    prompt = torch.randint(3, 300, (4000,), generator=torch.Generator().manual_seed(0)).tolist()
+    eng.add_request("long", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=140, ignore_eos=True))
+    steps = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+        req = eng.scheduler.running[0] if eng.scheduler.running else None
+        if req is None:
+            break
+        L = req.num_computed_tokens
+        for name, spec in kv.specs.items():
+            held = [p for p in kv.page_table("long", name) if p >= 0]
+            assert len(held) == kv.spaces[name].num_in_use
+            if spec.window is not None:
+                assert len(held) <= math.ceil(spec.window / P) + 1, (name, L, len(held))
+            else:
+                entries = L // spec.tokens_per_slot
+                assert len(held) == math.ceil(entries / (P // spec.tokens_per_slot)), (name, L)
+    assert steps > 130
+    for space in kv.spaces.values():
+        assert space.num_free == space.num_pages  # everything released at the end
+
+
+def test_llm_with_default_arguments_generates(ckpt):
+    llm = LLM(ckpt)
+    out = llm.generate(["the quick brown fox"], SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) >= 1
+    assert llm.engine.runner.dtype == torch.float32
+
+
+def test_cli_generate(ckpt, capsys):
+    from entrypoints.cli import main
+
+    rc = main(["generate", "--model", ckpt, "--max-tokens", "4", "--max-model-len", "512", "--max-num-seqs", "2",
+               "a lighthouse keeper"])
+    assert rc == 0
+    assert "### a lighthouse keeper" in capsys.readouterr().out
