@@ -1,11 +1,15 @@
 """Torch-native paged attention: the CPU reference backend.
 
+The KV cache of a layer is head-major, [Hkv, num_slots, D], so gathering any set of slots
+gives one contiguous [slots, D] block per KV head.
+
 Decode queries of the whole batch run together: keys are gathered from the pages (padded only
-to the longest context in the batch, masked) and attention is two batched matmuls per KV head
-group, softmax in float32. (On CPU this beats scaled_dot_product_attention for one query
-token, which in bfloat16 falls back to a slow path.) Each prefill chunk runs as one 4-D
-scaled_dot_product_attention call with a causal (and sliding-window) mask offset by the
-tokens already in the cache; a chunk that starts at position 0 reads its own K/V directly.
+to the longest context in the batch, masked) and attention is two batched matmuls with the
+query heads grouped under the KV head they share, softmax in float32. (On CPU this beats
+scaled_dot_product_attention for one query token, which in bfloat16 takes a slow path.)
+Each prefill chunk runs as one scaled_dot_product_attention call with a causal (and
+sliding-window) mask offset by the tokens already in the cache; a chunk that starts at
+position 0 reads its own K/V directly.
 """
 from __future__ import annotations
 
@@ -23,15 +27,15 @@ class TorchNativeAttention:
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
-        k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+        k_cache: torch.Tensor,  # [Hkv, num_slots, D]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         space: str,
         scale: float,
     ) -> torch.Tensor:
         sm = meta.spaces[space]
-        k_cache.index_copy_(0, sm.slot_mapping, k)
-        v_cache.index_copy_(0, sm.slot_mapping, v)
+        k_cache.index_copy_(1, sm.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, sm.slot_mapping, v.transpose(0, 1))
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
             return self._decode(q, k_cache, v_cache, sm.decode_key_slots, sm.decode_mask, scale)
@@ -42,13 +46,13 @@ class TorchNativeAttention:
         for p in sm.prefills:
             qs, qe = p.query_start, p.query_end
             if p.mask is None:  # starts at position 0, no window: its keys are exactly this chunk's
-                kp, vp = k[qs:qe], v[qs:qe]
+                kp, vp = k[qs:qe].transpose(0, 1), v[qs:qe].transpose(0, 1)
             else:
-                kp, vp = k_cache[p.key_slots], v_cache[p.key_slots]
+                kp, vp = k_cache[:, p.key_slots], v_cache[:, p.key_slots]  # [Hkv, Lk, D]
             o = F.scaled_dot_product_attention(
                 q[qs:qe].transpose(0, 1).unsqueeze(0),  # [1, H, q, D]
-                kp.transpose(0, 1).unsqueeze(0),  # [1, Hkv, Lk, D]
-                vp.transpose(0, 1).unsqueeze(0),
+                kp.unsqueeze(0),
+                vp.unsqueeze(0),
                 attn_mask=p.mask,
                 is_causal=p.mask is None,
                 scale=scale,
@@ -60,19 +64,20 @@ class TorchNativeAttention:
     @staticmethod
     def _decode(
         q: torch.Tensor,  # [B, H, D]
-        k_cache: torch.Tensor,
+        k_cache: torch.Tensor,  # [Hkv, num_slots, D]
         v_cache: torch.Tensor,
         slots: torch.Tensor,  # [B, Lk]
         mask: torch.Tensor | None,  # [B, 1, 1, Lk]
         scale: float,
     ) -> torch.Tensor:
         B, H, D = q.shape
-        hkv = k_cache.shape[1]
-        kd = k_cache[slots]  # [B, Lk, Hkv, D]
-        vd = v_cache[slots]
-        qg = q.view(B, hkv, H // hkv, D)  # query heads grouped by the KV head they share
-        scores = torch.matmul(qg, kd.permute(0, 2, 3, 1)).float() * scale  # [B, Hkv, G, Lk]
+        hkv = k_cache.shape[0]
+        kd = k_cache[:, slots]  # [Hkv, B, Lk, D], contiguous
+        vd = v_cache[:, slots]
+        qg = q.view(B, hkv, H // hkv, D).transpose(0, 1)  # [Hkv, B, G, D]
+        scores = torch.matmul(qg, kd.transpose(-1, -2)).float() * scale  # [Hkv, B, G, Lk]
         if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
+            scores = scores.masked_fill(~mask.view(1, B, 1, -1), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        return torch.matmul(probs, vd.transpose(1, 2)).reshape(B, H, D)  # [B, Hkv, G, D] -> [B, H, D]
+        out = torch.matmul(probs, vd)  # [Hkv, B, G, D]
+        return out.transpose(0, 1).reshape(B, H, D)

@@ -94,3 +94,50 @@ class SiluAndMulMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+
+# -- CPU weight prepacking ----------------------------------------------------------------------
+#
+# On CPU, F.linear with a plain row-major weight takes a slow path for one-row inputs in
+# bfloat16 (about 0.5 GB/s of weights read on the machines we measured, against 16 GB/s for
+# oneDNN with a weight reordered into its blocked layout once). Decode is exactly that case,
+# so every Linear of a loaded model gets a oneDNN-packed copy of its weight and calls the
+# packed kernel; the numerics are oneDNN's, as F.linear's already are in bfloat16.
+
+
+def packing_supported(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+class PackedLinearWeight:
+    """A weight [N, K] prepacked for oneDNN; call it like F.linear(x, weight, bias)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.out_features = weight.shape[0]
+        self.bias = bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed, self.bias, "none", [], "")
+        return out.view(*shape[:-1], self.out_features)
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Route every nn.Linear of `model` through a prepacked weight. Returns how many were packed.
+
+    Call after the weights are loaded and cast; the parameters stay in place (state_dict and
+    introspection keep working), the packed copy is what forward reads.
+    """
+    count = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and packing_supported(module.weight):
+            packed = PackedLinearWeight(module.weight, module.bias)
+            module.forward = packed  # instance attribute shadows nn.Linear.forward
+            count += 1
+    return count

@@ -17,6 +17,7 @@ from block_manager.kv_cache_manager import KVCacheManager
 from block_manager.space_spec import SpaceSpec
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from model_executor.checkpoint import iter_weights, load_config, resolve_dtype
+from model_executor.layers import pack_linear_weights
 from model_executor.models.base import CausalLM
 from model_executor.models.registry import resolve_model_class
 from model_executor.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
@@ -70,6 +71,9 @@ class ModelRunner:
             for p in model.parameters():
                 p.data = p.data.to(self.dtype)
         self.model = model.eval()
+        if self.model_packing_wanted():
+            pack = getattr(self.model, "pack_weights", None)
+            pack() if pack is not None else pack_linear_weights(self.model)
         logger.info("loaded %s (%s) in %.1fs", model_dir, self.dtype, time.perf_counter() - t0)
         self.backend = TorchNativeAttention()
         self.sampler = Sampler(torch.Generator().manual_seed(seed))
@@ -78,6 +82,13 @@ class ModelRunner:
         # Debug/parity hook: when a dict, the logits of every computed position are appended
         # per request id (tests compare them to transformers).
         self.captured_logits: dict[str, list[torch.Tensor]] | None = None
+
+    @staticmethod
+    def model_packing_wanted() -> bool:
+        import os
+
+        # HYBRIDKV_PACK_WEIGHTS=0 keeps plain F.linear (for comparing numerics or speed).
+        return os.environ.get("HYBRIDKV_PACK_WEIGHTS", "1") != "0"
 
     # -- KV cache --------------------------------------------------------------------------
     def space_specs(self) -> list[SpaceSpec]:
@@ -99,7 +110,9 @@ class ModelRunner:
             slots = kv.spaces[name].num_pages * kv.page_size
             a = attns[0]
             # Zero-filled: masked-out padding slots are still read and must be finite.
-            cache = torch.zeros(len(attns), 2, slots, a.num_kv_heads, a.head_dim, dtype=self.dtype)
+            # Head-major [Hkv, slots, D]: a gather of any slots yields one contiguous block per
+            # KV head, the layout the attention matmuls read fastest.
+            cache = torch.zeros(len(attns), 2, a.num_kv_heads, slots, a.head_dim, dtype=self.dtype)
             for i, attn in enumerate(attns):
                 attn.k_cache, attn.v_cache = cache[i, 0], cache[i, 1]
                 attn.backend = self.backend

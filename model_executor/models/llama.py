@@ -15,7 +15,15 @@ from torch import nn
 
 from attention_backends.metadata import AttentionMetadata
 from block_manager.space_spec import SpaceSpec
-from model_executor.layers import RMSNorm, RotaryEmbedding, SiluAndMulMLP, apply_rotary
+from model_executor.layers import (
+    PackedLinearWeight,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMulMLP,
+    packing_supported,
+    apply_rotary,
+    pack_linear_weights,
+)
 from model_executor.models.base import CausalLM, load_stacked_weights
 
 
@@ -97,6 +105,7 @@ class LlamaForCausalLM(CausalLM):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._packed_logits: PackedLinearWeight | None = None
 
     # -- family differences -------------------------------------------------------------------
     @staticmethod
@@ -148,8 +157,17 @@ class LlamaForCausalLM(CausalLM):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._packed_logits is not None:
+            return self._packed_logits(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return hidden @ weight.t()
+
+    def pack_weights(self) -> None:
+        """Prepack every projection (and the logits matrix) for the CPU's oneDNN kernels."""
+        pack_linear_weights(self)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if packing_supported(weight):
+            self._packed_logits = PackedLinearWeight(weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def rename(name: str) -> str | None:
