@@ -95,10 +95,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--workloads", default=os.path.join(HERE, "workloads.json"))
     args = ap.parse_args()
     with open(args.workloads) as f:
         w = json.load(f)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     work = {  # tokens that count for each workload's throughput figure
         "a_decode": w["a_single_decode"]["max_tokens"],
