@@ -370,8 +370,10 @@ class AsyncLLMEngine:
                 self._fail_all(EngineDeadError(f"engine step failed: {e!r}"))
                 self._publish()
                 continue
-            self._deliver(outputs)
+            # Publish first: a client that reads /metrics right after its last token must see
+            # the step that produced it.
             self._publish()
+            self._deliver(outputs)
 
     def _drain(self, block: bool) -> list[_Command]:
         commands: list[_Command] = []
