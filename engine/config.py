@@ -17,6 +17,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None = max(2048, max_model_len)
     allow_pickle_weights: bool = False
     chat_template: str | None = None
+    scheduling_policy: str = "fcfs"  # fcfs | lpm | dfs-weight (engine/scheduling_policy.py)
+    eviction_policy: str = "lru"  # lru | lfu | slru | priority (block_manager/eviction_policy.py)
+    # False: the baseline that drops a cached prefix once any windowed (SWA) page on it is gone.
+    windowed_match: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -67,7 +67,8 @@ class LLMEngine:
         self.block_size = self._choose_block_size(specs)
         budget = config.max_num_batched_tokens or max(2048, self.max_model_len)
         self.kv = KVCacheManager(
-            specs, self._pages_per_space(specs, budget), self.block_size, config.enable_prefix_caching
+            specs, self._pages_per_space(specs, budget), self.block_size, config.enable_prefix_caching,
+            config.eviction_policy, config.windowed_match,
         )
         short = self.kv.spaces_short_for(self.max_model_len, budget)
         if short:
@@ -78,7 +79,7 @@ class LLMEngine:
             )
         self.runner.bind_kv_cache(self.kv)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, budget, self.max_model_len), self.kv
+            SchedulerConfig(config.max_num_seqs, budget, self.max_model_len, config.scheduling_policy), self.kv
         )
         self._groups: dict[str, _Group] = {}
         self._request_to_group: dict[str, _Group] = {}
@@ -365,6 +366,8 @@ class LLMEngine:
             "first_token_time": lead.first_token_time,
             "last_token_time": lead.last_token_time,
             "num_preemptions": sum(r.num_preemptions for r in group.children),
+            "num_cached_tokens": max(0, lead.num_cached_tokens),
+            "cached_tokens_per_space": dict(lead.cached_tokens_per_space),
         }
 
     # -- introspection -------------------------------------------------------------------------

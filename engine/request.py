@@ -38,6 +38,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache (set on first schedule)
+    cached_tokens_per_space: dict[str, int] = field(default_factory=dict)  # block space -> prompt tokens it served from cache
     num_preemptions: int = 0
     cumulative_logprob: float = 0.0
     logprobs: list[PositionLogprobs] | None = None

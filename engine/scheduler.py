@@ -2,7 +2,8 @@
 
 Each step hands out at most `max_num_batched_tokens` tokens: running requests first (one
 token per decoding request, the next chunk for a request still in prefill), then waiting
-requests in arrival order, each admitted with its prefix-cache hit. A request whose pages
+requests in the order of the scheduling policy (engine/scheduling_policy.py: fcfs, lpm,
+dfs-weight), each admitted with its prefix-cache hit. A request whose pages
 cannot be allocated preempts the most recently admitted running request (recompute: its
 pages go back, computed whole pages stay in the prefix cache, and it later resumes by
 prefilling prompt + outputs so far, mostly from cache).
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 from block_manager.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.scheduling_policy import SchedulingPolicy
 
 
 @dataclass
@@ -22,6 +24,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -63,6 +66,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.policy = SchedulingPolicy(config.policy)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -102,27 +106,38 @@ class Scheduler:
             break  # req itself was preempted; everything after it too
 
         # Admit waiting requests only when nobody had to be preempted this step.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
-            req = self.waiting[0]
-            hit = None
-            if not req.wants_prompt_logprobs:  # cached tokens have no logits to report
-                hit = self.kv.match_prefix(req.all_token_ids, req.namespace)
-                req.num_computed_tokens = hit.num_tokens
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate(req.request_id, req.num_computed_tokens + n, hit, req.namespace):
-                req.num_computed_tokens = 0
-                break
-            self.waiting.popleft()
-            if req.num_cached_tokens < 0:  # first admission, not a resume after preemption
-                req.num_cached_tokens = req.num_computed_tokens
-                self.kv.record_query(req.num_prompt_tokens, req.num_computed_tokens)
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n, req.num_computed_tokens + n == req.num_tokens))
-            budget -= n
+        if self.waiting and budget > 0 and not out.preempted:
+            order = self.policy.order(self.waiting, self.kv)
+            for req in order.requests:
+                if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                    break
+                if req.request_id in order.deferred and (out.scheduled or self.running):
+                    continue  # in-batch grouping: the group's first request computes the shared prefix
+                if not self._admit(req, budget, now, out):
+                    break
+                budget -= out.scheduled[-1].num_new_tokens
         return out
+
+    def _admit(self, req: Request, budget: int, now: float, out: SchedulerOutput) -> bool:
+        hit = None
+        if not req.wants_prompt_logprobs:  # cached tokens have no logits to report
+            hit = self.kv.match_prefix(req.all_token_ids, req.namespace)
+            req.num_computed_tokens = hit.num_tokens
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if not self.kv.allocate(req.request_id, req.num_computed_tokens + n, hit, req.namespace):
+            req.num_computed_tokens = 0
+            return False
+        self.waiting.remove(req)
+        if req.num_cached_tokens < 0:  # first admission, not a resume after preemption
+            req.num_cached_tokens = req.num_computed_tokens
+            req.cached_tokens_per_space = dict(hit.per_space_tokens) if hit is not None else {}
+            self.kv.record_query(req.num_prompt_tokens, hit)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n, req.num_computed_tokens + n == req.num_tokens))
+        return True
 
     def _preempt(self, req: Request) -> None:
         # Computed whole pages go to the prefix cache first, so the resume is mostly a hit.
@@ -141,6 +156,8 @@ class Scheduler:
             req = s.request
             req.num_computed_tokens = s.end
             self.kv.cache_computed_pages(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if req.num_computed_tokens == req.num_prompt_tokens and not req.output_token_ids:
+                self.kv.mark_boundary(req.request_id)  # the prompt's end: its siblings/retries match here
             self.kv.release_out_of_window(req.request_id, req.num_computed_tokens)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
@@ -149,6 +166,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
             self.kv.cache_computed_pages(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            self.kv.mark_boundary(req.request_id)  # the turn's end: the next turn matches here
         else:
             try:
                 self.waiting.remove(req)

@@ -33,6 +33,9 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         allow_pickle_weights: bool = False,
         chat_template: str | None = None,
+        scheduling_policy: str = "fcfs",
+        eviction_policy: str = "lru",
+        windowed_match: bool = True,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -47,6 +50,9 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 allow_pickle_weights=allow_pickle_weights,
                 chat_template=chat_template,
+                scheduling_policy=scheduling_policy,
+                eviction_policy=eviction_policy,
+                windowed_match=windowed_match,
             )
         )
 

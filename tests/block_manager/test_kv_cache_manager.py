@@ -1,4 +1,4 @@
-"""KVCacheManager + PrefixIndex: sharing, eviction order, namespaces, exact ledgers."""
+"""KVCacheManager + ShadowIndex: sharing, eviction order, namespaces, exact ledgers."""
 import random
 
 import pytest

@@ -1,0 +1,289 @@
+"""Stateful property test of the shadow prefix index, driven through KVCacheManager.
+
+Rules admit requests (random tokens over a tiny alphabet, often extending or branching off an
+earlier sequence at a random page: the page-granular tree's equivalent of a split), advance
+them (allocate, "compute" pages, record them, release out-of-window pages), finish or drop
+them, pin/unpin arbitrary nodes with their own receipts, and evict from a chosen space.
+
+Checked after every step:
+  * KVCacheManager.check_invariants(): per-space free/cached/in-use and evictable/protected
+    ledgers, lock counts == what the live receipts put there, receipts' boundary stamps, an
+    indexed page held by a request is locked, a request's recorded pages are the tree's.
+  * data tags: every page carries the (namespace, token prefix) it was computed for; every
+    page a request reads (whole history; the window of windowed spaces) carries its own
+    prefix's tag, so a wrong hit, a stale page or a double free shows up as a wrong tag.
+  * a reference model of what is cached (set of page prefixes with per-space liveness):
+    inserts update it deterministically (tombstone where the request had released the page,
+    heal where it holds it); evictions may only remove unlocked nodes/shadows; and `match`
+    must return exactly the brute-force SWA-valid longest prefix of the reference.
+"""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
+
+from block_manager.kv_cache_manager import NULL_PAGE, KVCacheManager
+from block_manager.space_spec import SpaceSpec
+
+P = 4
+
+V4_LIKE = [
+    SpaceSpec("swa", 1, 8, window=6),
+    SpaceSpec("c4", 2, 8),
+    SpaceSpec("full", 1, 8),
+    SpaceSpec("state", 1, 8, window=3),
+]
+MISTRAL_LIKE = [SpaceSpec("swa", 1, 8, window=5)]
+GEMMA_LIKE = [SpaceSpec("full", 1, 8), SpaceSpec("swa", 1, 8, window=9)]
+
+
+class ShadowIndexMachine(RuleBasedStateMachine):
+    specs = V4_LIKE
+    pages = 14
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(self.specs, {s.name: self.pages for s in self.specs}, P, True)
+        self.windowed = {s.name: s.window for s in self.specs if s.windowed}
+        self.tags = {s.name: [None] * self.pages for s in self.specs}
+        self.live: dict[str, dict] = {}  # rid -> {"tokens", "computed", "ns", "hit"}
+        self.history: list[tuple[object, list[int]]] = []
+        self.pins: list = []
+        self.ref: dict[tuple, dict[str, bool]] = {}  # (ns, prefix tokens) -> windowed space -> live
+        self.counter = 0
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _key(self, ns, toks, i):
+        return (ns, tuple(toks[: (i + 1) * P]))
+
+    def _index_view(self) -> dict[tuple, dict[str, bool]]:
+        view = {}
+        for ns, root in self.kv.index._roots.items():
+            stack = [(root, ())]
+            while stack:
+                node, prefix = stack.pop()
+                for key, child in node.children.items():
+                    p = prefix + key
+                    view[(ns, p)] = {s: child.shadows[s] is not None for s in self.windowed}
+                    stack.append((child, p))
+        return view
+
+    def _locks(self):
+        full, swa = set(), set()
+        for ns, root in self.kv.index._roots.items():
+            stack = [(root, ())]
+            while stack:
+                node, prefix = stack.pop()
+                for key, child in node.children.items():
+                    p = prefix + key
+                    if child.full_lock_ref:
+                        full.add((ns, p))
+                    if child.swa_lock_ref:
+                        swa.add((ns, p))
+                    stack.append((child, p))
+        return full, swa
+
+    def _ref_match(self, ns, toks) -> int:
+        """Brute force: largest d <= (len-1)//P with every prefix page cached and, per windowed
+        space, pages [first_window_page, d) live."""
+        best = 0
+        limit = (len(toks) - 1) // P
+        for d in range(1, limit + 1):
+            if self._key(ns, toks, d - 1) not in self.ref:
+                break
+            ok = True
+            for s, w in self.windowed.items():
+                first = max(0, d * P - w + 1) // P
+                if not all(self.ref[self._key(ns, toks, i)][s] for i in range(first, d)):
+                    ok = False
+            if ok:
+                best = d
+        return best
+
+    def _check_reads(self, rid: str, start: int, end: int) -> None:
+        """The request is about to compute positions [start, end): every page it reads has its tag."""
+        r = self.live[rid]
+        for s, table in ((s, self.kv.page_table(rid, s)) for s in self.tags):
+            spec = self.kv.specs[s]
+            lo = 0 if spec.window is None else max(0, start - spec.window + 1)
+            # complete pages strictly before `start` that hold read positions
+            for i in range(lo // P, start // P):
+                page = table[i]
+                assert page != NULL_PAGE, f"{s}: request {rid} reads released page {i}"
+                assert self.tags[s][page] == self._key(r["ns"], r["tokens"], i), f"{s}: wrong data in page {i}"
+
+    def _compute(self, rid: str, upto: int) -> None:
+        r = self.live[rid]
+        start = r["computed"]
+        self._check_reads(rid, start, upto)
+        for s in self.tags:
+            table = self.kv.page_table(rid, s)
+            for i in range(start // P, upto // P):
+                page = table[i]
+                assert page != NULL_PAGE
+                space = self.kv.spaces[s]
+                assert space.refcount[page] == 1 and not space.in_index[page], f"{s}: writing a shared page"
+                self.tags[s][page] = self._key(r["ns"], r["tokens"], i)
+        r["computed"] = upto
+        first_new = r["inserted"]
+        before = {i: {s: self.kv.page_table(rid, s)[i] for s in self.windowed} for i in range(upto // P)}
+        self.kv.cache_computed_pages(rid, r["tokens"], upto)
+        r["inserted"] = max(first_new, upto // P)
+        for i in range(first_new, upto // P):
+            k = self._key(r["ns"], r["tokens"], i)
+            held = {s: before[i][s] != NULL_PAGE for s in self.windowed}
+            if k not in self.ref:
+                self.ref[k] = held
+            else:
+                self.ref[k] = {s: self.ref[k][s] or held[s] for s in self.windowed}
+        self.kv.release_out_of_window(rid, upto)
+
+    # -- rules ------------------------------------------------------------------------------
+    @rule(
+        data=st.data(),
+        extend=st.booleans(),
+        ns=st.sampled_from([None, None, None, "salt"]),
+        n_new=st.integers(1, 14),
+    )
+    def admit(self, data, extend, ns, n_new):
+        if len(self.live) >= 4:
+            return
+        base: list[int] = []
+        if extend and self.history:
+            ns, old = data.draw(st.sampled_from(self.history))
+            cut = data.draw(st.integers(0, len(old) // P)) * P  # branch at a page boundary
+            base = list(old[:cut])
+        toks = base + data.draw(st.lists(st.integers(0, 2), min_size=n_new, max_size=n_new))
+        hit = self.kv.match_prefix(toks, ns)
+        assert hit.num_tokens % P == 0 and hit.num_tokens < len(toks), "a hit must never cover the last token"
+        assert hit.num_tokens // P == self._ref_match(ns, toks), "match differs from the reference"
+        self.counter += 1
+        rid = f"r{self.counter}"
+        first = data.draw(st.integers(hit.num_tokens + 1, len(toks)))
+        if not self._observed(lambda: self.kv.allocate(rid, first, hit, ns)):
+            return
+        self.live[rid] = {"tokens": toks, "computed": hit.num_tokens, "ns": ns, "inserted": hit.num_tokens // P}
+        self._compute(rid, first)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), grow=st.integers(0, 6))
+    def advance(self, data, grow):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        r = self.live[rid]
+        r["tokens"] += data.draw(st.lists(st.integers(0, 2), min_size=grow, max_size=grow))
+        if r["computed"] >= len(r["tokens"]):
+            return
+        upto = data.draw(st.integers(r["computed"] + 1, len(r["tokens"])))
+        if self._observed(lambda: self.kv.allocate(rid, upto)):
+            self._compute(rid, upto)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), record=st.booleans())
+    def finish(self, data, record):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        r = self.live.pop(rid)
+        if record:
+            self.kv.mark_boundary(rid)
+            self.history.append((r["ns"], r["tokens"][: r["computed"]]))
+        self._observed(lambda: self.kv.free(rid), unlocking=True)
+
+    @precondition(lambda self: self.kv.index.num_nodes > 0)
+    @rule(data=st.data(), swa_tokens=st.integers(0, 12))
+    def pin(self, data, swa_tokens):
+        node = data.draw(st.sampled_from(sorted(self.kv.index.nodes(), key=lambda n: (n.depth, n.key))))
+        self.pins.append(self.kv.index.lock(node, swa_tokens))
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data(), early_swa=st.booleans())
+    def unpin(self, data, early_swa):
+        receipt = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
+        if early_swa:
+            self.kv.index.release_swa(receipt)
+            self.kv.index.release_swa(receipt)  # idempotent
+        self._observed(lambda: self.kv.index.unlock(receipt), unlocking=True)
+        with pytest.raises(AssertionError, match="not live"):
+            self.kv.index.unlock(receipt)  # a receipt unlocks once
+
+    @rule(space=st.sampled_from([s.name for s in V4_LIKE + MISTRAL_LIKE]), n=st.integers(1, 6))
+    def evict(self, space, n):
+        if space not in self.kv.spaces:
+            return
+        free_before = self.kv.spaces[space].num_free
+        freed = self._observed(lambda: self.kv.index.evict(space, n))
+        assert self.kv.spaces[space].num_free - free_before == freed
+
+    def _observed(self, op, unlocking: bool = False):
+        """Run op (which may evict); check it only removed unlocked nodes / tombstoned unlocked
+        windowed shadows, then bring the reference up to date with what was evicted. An unlock
+        may only remove nodes that hold no data at all (every shadow tombstoned)."""
+        full_locked, swa_locked = self._locks()
+        before = self._index_view()
+        result = op()
+        after = self._index_view()
+        for k, live in before.items():
+            if k not in after:
+                if unlocking:
+                    assert not any(live.values()) and len(self.windowed) == len(self.kv.spaces), "unlock dropped data"
+                else:
+                    assert k not in full_locked, "evicted a full-locked node"
+            else:
+                for s in self.windowed:
+                    if live[s] and not after[k][s]:
+                        assert k not in swa_locked, "tombstoned an SWA-locked shadow"
+                    assert not (not live[s] and after[k][s]), "eviction revived a shadow"
+        assert set(after) <= set(before)
+        self.ref = {k: dict(after[k]) for k in self.ref if k in after}
+        return result
+
+    @invariant()
+    def ledgers_exact(self):
+        self.kv.check_invariants()
+        assert self._index_view() == self.ref, "the index differs from the reference model"
+
+    def teardown(self):
+        for rid in list(self.live):
+            self.kv.free(rid)
+        for receipt in self.pins:
+            self.kv.index.unlock(receipt)
+        self.kv.assert_idle()
+        self.kv.reset_prefix_cache()
+        assert self.kv.index.num_nodes == 0
+        for space in self.kv.spaces.values():
+            assert space.num_free == space.num_pages
+
+
+class MistralLikeMachine(ShadowIndexMachine):
+    specs = MISTRAL_LIKE
+    pages = 10
+
+
+class GemmaLikeMachine(ShadowIndexMachine):
+    specs = GEMMA_LIKE
+    pages = 12
+
+
+FAST = settings(max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck))
+SLOW = settings(max_examples=400, stateful_step_count=80, deadline=None, suppress_health_check=list(HealthCheck))
+
+TestV4Like = ShadowIndexMachine.TestCase
+TestV4Like.settings = FAST
+TestMistralLike = MistralLikeMachine.TestCase
+TestMistralLike.settings = FAST
+TestGemmaLike = GemmaLikeMachine.TestCase
+TestGemmaLike.settings = FAST
+
+
+class _SlowV4(ShadowIndexMachine):
+    pass
+
+
+class _SlowMistral(MistralLikeMachine):
+    pass
+
+
+TestV4LikeSlow = pytest.mark.slow(_SlowV4.TestCase)
+TestV4LikeSlow.settings = SLOW
+TestMistralLikeSlow = pytest.mark.slow(_SlowMistral.TestCase)
+TestMistralLikeSlow.settings = SLOW
