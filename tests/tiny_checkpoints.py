@@ -61,7 +61,7 @@ def reinit_(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 def build_checkpoint(path: str, arch: str = "llama", seed: int = 0, max_shard_size: str | None = None, **overrides) -> str:
-    """Write a tiny `arch` checkpoint (llama, qwen2, qwen3, mistral) with a tokenizer to path."""
+    """Write a tiny `arch` checkpoint (llama, qwen2, qwen3, mistral, gemma3_text) with a tokenizer to path."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tok = build_tokenizer()
@@ -83,15 +83,39 @@ def build_checkpoint(path: str, arch: str = "llama", seed: int = 0, max_shard_si
         base["head_dim"] = 16
     if arch == "mistral":
         base["sliding_window"] = 24
+    if arch == "gemma3_text":
+        # Interleaved sliding/full layers; every Gemma-specific knob away from its neutral value
+        # so a missed one shows: query_pre_attn_scalar != head_dim, a scaled global RoPE with a
+        # base different from the local one, a final softcap the logits actually reach, tied lm_head.
+        base.update(
+            head_dim=16,
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=24,
+            query_pre_attn_scalar=24,
+            hidden_activation="gelu_pytorch_tanh",
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            },
+        )
     base.update(overrides)
     config = AutoConfig.for_model(arch, **base)
     config.architectures = [
         {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-         "mistral": "MistralForCausalLM"}[arch]
+         "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[arch]
     ]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     reinit_(model, seed)
+    if arch == "gemma3_text":
+        # Gemma stores RMSNorm weights as w - 1: centre them on 0 so the effective scale is ~1.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.sub_(1.0)
     if config.tie_word_embeddings:
         model.tie_weights()
     os.makedirs(path, exist_ok=True)

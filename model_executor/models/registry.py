@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from model_executor.models.base import CausalLM
 from model_executor.models.deepseek_v4 import DeepseekV4ForCausalLM
+from model_executor.models.gemma3 import Gemma3ForCausalLM
 from model_executor.models.llama import LlamaForCausalLM
 
 _REGISTRY: dict[str, type[CausalLM]] = {
@@ -11,6 +12,7 @@ _REGISTRY: dict[str, type[CausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

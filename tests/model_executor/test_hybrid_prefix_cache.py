@@ -67,6 +67,19 @@ def test_mistral_hit_at_every_page_boundary_equals_no_cache(tiny_ckpt):
     assert assert_hit_at_every_boundary(cached, want, prompt, 20) == list(range(16, 90, 16))
 
 
+def test_gemma3_hit_at_every_page_boundary_equals_no_cache(tiny_ckpt):
+    """Gemma-3: sliding layers (window 24) in the "swa" space, the full layer in "full"; a hit at
+    every boundary, with far SWA pages tombstoned, equals the no-cache run."""
+    path = tiny_ckpt("gemma3_text")
+    ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    prompt = _prompt(90, ref.engine.runner.config.vocab_size, seed=7)
+    want = run_one(ref, prompt, 20)
+    cached = LLM(path, dtype="float32", max_model_len=256)
+    assert cached.engine.kv.enable_prefix_caching and set(cached.engine.kv.index.windows) == {"swa"}
+    assert set(cached.engine.kv.spaces) == {"full", "swa"}
+    assert assert_hit_at_every_boundary(cached, want, prompt, 20) == list(range(16, 90, 16))
+
+
 def _conversation(llm: LLM, ref: LLM | None, vocab: int, turns: int = 8):
     """8 turns: each prompt = the whole history + a 30-token user message. Returns per turn
     (history length, cached tokens) and checks every turn's output against ref (no cache)."""
