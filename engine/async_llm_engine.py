@@ -75,6 +75,7 @@ class EngineSnapshot:
     spaces: dict[str, SpaceUsage] = field(default_factory=dict)
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # tokens served from it
+    prefix_cache_hits_per_space: dict[str, int] = field(default_factory=dict)  # tokens each space served
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -96,6 +97,7 @@ class EngineSnapshot:
             spaces=spaces,
             prefix_cache_queries=kv.prefix_queries,
             prefix_cache_hits=kv.prefix_hits,
+            prefix_cache_hits_per_space=dict(kv.prefix_hits_per_space),
             num_preemptions=engine.scheduler.num_preemptions,
             prompt_tokens=engine.stats.get("prompt_tokens", 0),
             generation_tokens=engine.stats.get("generation_tokens", 0),

@@ -73,6 +73,12 @@ class _EngineCollector(Collector):
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits)
+        by_space = CounterMetricFamily(PREFIX + "prefix_cache_hits_by_space",
+                                       "Prompt tokens whose data a block space served from the prefix cache.",
+                                       labels=["model_name", "space"])
+        for name, n in s.prefix_cache_hits_per_space.items():
+            by_space.add_metric([self._model, name], n)
+        yield by_space
         yield counter("num_preemptions", "Preemptions of running sequences.", s.num_preemptions)
 
 

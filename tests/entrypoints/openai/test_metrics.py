@@ -44,6 +44,7 @@ def test_metrics_parse_and_counters_move(srv, client):
     assert delta("hybridkv:prompt_tokens_total") > 0
     assert delta("hybridkv:prefix_cache_queries_total") > 0
     assert delta("hybridkv:prefix_cache_hits_total") > 0
+    assert delta("hybridkv:prefix_cache_hits_by_space_total", space="full") == delta("hybridkv:prefix_cache_hits_total")
     assert delta("hybridkv:request_success_total", finished_reason="length") == 3
     assert delta("hybridkv:time_to_first_token_seconds_count") == 3
     assert delta("hybridkv:e2e_request_latency_seconds_count") == 3
