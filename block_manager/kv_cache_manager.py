@@ -47,6 +47,7 @@ class PrefixHit:
 class RequestPages:
     tables: dict[str, list[int]]
     namespace: Hashable = None
+    priority: int = 0  # eviction priority of the pages it inserts (the "priority" eviction policy)
     num_inserted_pages: int = 0  # whole pages already recorded in the prefix index
     num_released_pages: dict[str, int] = field(default_factory=dict)  # windowed spaces
     anchor: ShadowNode | None = None  # node of the last recorded page
@@ -108,6 +109,7 @@ class KVCacheManager:
         num_tokens: int,
         hit: PrefixHit | None = None,
         namespace: Hashable = None,
+        priority: int = 0,
     ) -> bool:
         """Make the request's tables cover its first num_tokens tokens in every space.
 
@@ -120,7 +122,7 @@ class KVCacheManager:
         req = self._requests.get(request_id)
         new_request = req is None
         if new_request:
-            req = RequestPages(tables={name: [] for name in self.spaces}, namespace=namespace)
+            req = RequestPages(tables={name: [] for name in self.spaces}, namespace=namespace, priority=priority)
             if hit is not None and hit.nodes:
                 n = len(hit.nodes)
                 for name, table in req.tables.items():
@@ -204,6 +206,7 @@ class KVCacheManager:
             {name: table[:full] for name, table in req.tables.items()},
             req.namespace,
             start=req.anchor,
+            priority=req.priority,
         )
         for name, dups in res.duplicates.items():
             table, space = req.tables[name], self.spaces[name]

@@ -172,6 +172,7 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> str:
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._counter))
@@ -195,7 +196,7 @@ class LLMEngine:
                 set() if params.ignore_eos else self.eos_token_ids
             )
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            req = Request(child_id, ids, child_params, max_tokens, namespace=cache_salt)
+            req = Request(child_id, ids, child_params, max_tokens, namespace=cache_salt, priority=priority)
             req.index = i
             children.append(req)
             detoks[child_id] = IncrementalDetokenizer(self.tokenizer, ids, child_params)

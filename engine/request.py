@@ -33,6 +33,7 @@ class Request:
     max_tokens: int  # resolved: params.max_tokens or what still fits in max_model_len
     namespace: Hashable = None  # prefix-cache namespace (cache salt / LoRA)
     index: int = 0  # which of the user's n samples this sequence is
+    priority: int = 0  # higher = its cached pages are evicted later (eviction_policy="priority")
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -124,7 +124,7 @@ class Scheduler:
             hit = self.kv.match_prefix(req.all_token_ids, req.namespace)
             req.num_computed_tokens = hit.num_tokens
         n = min(req.num_tokens - req.num_computed_tokens, budget)
-        if not self.kv.allocate(req.request_id, req.num_computed_tokens + n, hit, req.namespace):
+        if not self.kv.allocate(req.request_id, req.num_computed_tokens + n, hit, req.namespace, req.priority):
             req.num_computed_tokens = 0
             return False
         self.waiting.remove(req)

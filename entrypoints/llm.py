@@ -69,7 +69,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """priority: one int per prompt; with eviction_policy="priority", the prefix-cache pages
+        of higher-priority requests are evicted last."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
         ):
@@ -87,7 +90,9 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling params for {len(prompts)} prompts; pass one or one per prompt"
                 )
-        return self._run(prompts, params_list, use_tqdm)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; pass one per prompt")
+        return self._run(prompts, params_list, use_tqdm, list(priority) if priority is not None else None)
 
     def chat(
         self,
@@ -106,15 +111,21 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        priorities: list[int] | None = None,
+    ) -> list[RequestOutput]:
         engine = self.engine
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
                 # The offline API returns whole outputs, whatever kind the params ask for.
                 if p.output_kind.name != "FINAL_ONLY":
                     p = p.clone(output_kind=type(p.output_kind).FINAL_ONLY)
-                ids.append(engine.add_request(None, prompt, p))
+                ids.append(engine.add_request(None, prompt, p, priority=priorities[i] if priorities else 0))
         except Exception:
             for rid in ids:
                 engine.abort_request(rid)

@@ -219,3 +219,21 @@ def test_greedy_outputs_identical_across_policies_with_caching(tiny_ckpt):
             assert sum(o.num_cached_tokens for o in outs) > 0
     assert results["lpm"] == results["fcfs"]
     assert results["dfs-weight"] == results["fcfs"]
+
+
+def test_priority_eviction_keeps_the_high_priority_prefix_through_the_engine(tiny_ckpt):
+    """eviction_policy="priority": under eviction pressure the cached prefix of a high-priority
+    request survives while the low-priority one is evicted (priority flows request -> index)."""
+    path = tiny_ckpt("llama")
+    page_bytes = 2 * 2 * 2 * 16 * 4 * 16
+    llm = LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=10 * page_bytes,
+              eviction_policy="priority")
+    greedy = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    keep = {"prompt_token_ids": [5] * 48 + [6]}
+    drop = {"prompt_token_ids": [7] * 48 + [8]}
+    # keep arrives first (LRU would evict it first); its priority must protect it instead.
+    llm.generate([keep, drop], greedy, use_tqdm=False, priority=[10, 0])
+    filler = {"prompt_token_ids": [9] * 64 + [1]}  # needs 5 pages: forces evicting 3 cached pages
+    llm.generate(filler, greedy, use_tqdm=False)
+    assert llm.generate(keep, greedy, use_tqdm=False)[0].num_cached_tokens == 48
+    assert llm.generate(drop, greedy, use_tqdm=False)[0].num_cached_tokens < 48
