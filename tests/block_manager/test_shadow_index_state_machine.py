@@ -192,7 +192,7 @@ class ShadowIndexMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.kv.index.num_nodes > 0)
     @rule(data=st.data(), swa_tokens=st.integers(0, 12))
     def pin(self, data, swa_tokens):
-        node = data.draw(st.sampled_from(sorted(self.kv.index.nodes(), key=lambda n: (n.depth, n.key))))
+        node = data.draw(st.sampled_from(sorted(self.kv.index.nodes(), key=lambda n: (n.depth, n.key, n.seq))))
         self.pins.append(self.kv.index.lock(node, swa_tokens))
 
     @precondition(lambda self: self.pins)
