@@ -7,7 +7,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, GenerateRequest, RequestStream
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -182,6 +182,34 @@ class Generation:
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)},
         }
+
+
+def stream_chunk(gen: "Generation", model: str, object_name: str, choices: list[dict], usage: dict | None = None) -> dict:
+    body = {"id": gen.id, "object": object_name, "created": gen.created, "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+async def send_stream(sse, gen: "Generation", model: str, object_name: str, opts,
+                      choices: Callable[[], AsyncIterator[dict]]):
+    """The SSE body both endpoints share: each choice delta as its own event (as OpenAI and vLLM
+    send them; clients read choices[0]), the usage chunk when asked for, then [DONE]. A failure
+    after the status line went out becomes one error event; a client that went away ends the
+    stream quietly (the caller's `async with gen` then aborts its requests)."""
+    def usage() -> dict | None:
+        return gen.usage() if opts.continuous_usage_stats else None
+
+    try:
+        async for choice in choices():
+            await sse.send(stream_chunk(gen, model, object_name, [choice], usage()))
+        if opts.include_usage:
+            await sse.send(stream_chunk(gen, model, object_name, [], gen.usage()))
+    except ConnectionError:
+        return sse.response
+    except Exception as e:  # noqa: BLE001 - reported in-stream; the status line is already sent
+        await sse.send_error(stream_error(e))
+    return await sse.done()
 
 
 def stream_error(e: BaseException) -> OpenAIError:

@@ -8,7 +8,7 @@ from aiohttp import web
 from engine.outputs import Logprob, PositionLogprobs
 from entrypoints.openai.errors import bad_request
 from entrypoints.openai.protocol import ChatCompletionRequest
-from entrypoints.openai.serving_base import Generation, PromptInput, ServingContext, finite_logprob, stream_error
+from entrypoints.openai.serving_base import Generation, PromptInput, ServingContext, finite_logprob, send_stream
 from entrypoints.openai.sse import SSEStream, dumps
 from model_executor.tokenizer import apply_chat_template
 
@@ -80,25 +80,16 @@ class ChatServing:
                       gen: Generation) -> web.StreamResponse:
         sse = SSEStream(request)
         await sse.start()
-        opts = req.stream_options
 
-        def chunk(choices: list[dict], usage: dict | None = None) -> dict:
-            body = {"id": gen.id, "object": "chat.completion.chunk", "created": gen.created, "model": model,
-                    "choices": choices}
-            if usage is not None:
-                body["usage"] = usage
-            return body
-
-        try:
+        async def choices():
             # OpenAI's first chunk per choice carries the role and no text yet.
             for c in gen.choices:
                 first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}
                 if req.return_token_ids:
                     first["prompt_token_ids"] = gen.inputs[0].token_ids
-                await sse.send(chunk([first], gen.usage() if opts.continuous_usage_stats else None))
+                yield first
             async for i, out in gen.outputs():
-                choices = []
                 for o in out.outputs:
                     c = gen.choice(i, o)
                     logprobs = self._logprobs(req, o.token_ids, o.logprobs or []) if req.logprobs else None
@@ -110,14 +101,6 @@ class ChatServing:
                               "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
                     if req.return_token_ids:
                         choice["token_ids"] = list(o.token_ids)
-                    choices.append(choice)
-                # One choice per event, as OpenAI and vLLM send them (clients read choices[0]).
-                for choice in choices:
-                    await sse.send(chunk([choice], gen.usage() if opts.continuous_usage_stats else None))
-            if opts.include_usage:
-                await sse.send(chunk([], gen.usage()))
-        except ConnectionError:
-            return sse.response  # client gone: leaving `async with gen` aborts the requests
-        except Exception as e:  # noqa: BLE001 - reported in-stream; the status line is already sent
-            await sse.send_error(stream_error(e))
-        return await sse.done()
+                    yield choice
+
+        return await send_stream(sse, gen, model, "chat.completion.chunk", req.stream_options, choices)

@@ -8,7 +8,7 @@ from aiohttp import web
 from engine.outputs import PositionLogprobs
 from entrypoints.openai.protocol import CompletionRequest, Prompt
 from entrypoints.openai.serving_base import (
-    ChoiceState, Generation, PromptInput, ServingContext, finite_logprob, stream_error,
+    ChoiceState, Generation, PromptInput, ServingContext, finite_logprob, send_stream,
 )
 from entrypoints.openai.sse import SSEStream, dumps
 
@@ -90,20 +90,11 @@ class CompletionServing:
                       gen: Generation) -> web.StreamResponse:
         sse = SSEStream(request)
         await sse.start()
-        opts = req.stream_options
         started: set[int] = set()  # choices that got their first chunk (echo goes there)
         offsets = [0] * len(gen.choices)
 
-        def chunk(choices: list[dict], usage: dict | None = None) -> dict:
-            body = {"id": gen.id, "object": "text_completion", "created": gen.created, "model": model,
-                    "choices": choices}
-            if usage is not None:
-                body["usage"] = usage
-            return body
-
-        try:
+        async def choices():
             async for i, out in gen.outputs():
-                choices = []
                 for o in out.outputs:
                     c = gen.choice(i, o)
                     first = c.index not in started
@@ -125,14 +116,6 @@ class CompletionServing:
                         choice["token_ids"] = list(o.token_ids)
                         if first:
                             choice["prompt_token_ids"] = gen.inputs[i].token_ids
-                    choices.append(choice)
-                # One choice per event, as OpenAI and vLLM send them (clients read choices[0]).
-                for choice in choices:
-                    await sse.send(chunk([choice], gen.usage() if opts.continuous_usage_stats else None))
-            if opts.include_usage:
-                await sse.send(chunk([], gen.usage()))
-        except ConnectionError:
-            return sse.response  # client gone: leaving `async with gen` aborts the requests
-        except Exception as e:  # noqa: BLE001 - reported in-stream; the status line is already sent
-            await sse.send_error(stream_error(e))
-        return await sse.done()
+                    yield choice
+
+        return await send_stream(sse, gen, model, "text_completion", req.stream_options, choices)
