@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attention_backends.metadata import StepSequences
+from attention_backends.metadata import NULL_PAGE, StepSequences
 
-NULL_PAGE = -1
 PREFILL_BLOCK_ROWS = 256  # queries per prefill block (bounds the [rows, keys] score tensors)
 DECODE_BLOCK_SEQS = 64  # decode sequences per padded block
 

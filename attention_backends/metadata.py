@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# A released (out-of-window) page in a request's table. The block manager owns this
+# convention (block_manager.shadow_index.NULL_PAGE); attention_backends sits below it in the
+# import order, so it restates the value instead of importing it.
 NULL_PAGE = -1
 
 

@@ -39,40 +39,38 @@ def median_time(fn, repeats: int) -> float:
 
 
 def hybridkv_runs(args, w):
-    kw = dict(dtype=args.dtype, max_model_len=2048, seed=0)
-    llm = LLM(args.model, **kw)
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
-    ids = lambda p: {"prompt_token_ids": p}  # noqa: E731
-    llm.generate([ids(p) for p in w["warmup"]["prompts_ids"]], greedy(8), use_tqdm=False)
 
-    def fresh(fn):
-        # Every timed run starts from an empty prefix cache (only d_on is meant to hit).
+    def engine(**extra) -> LLM:
+        llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, seed=0, **extra)
+        llm.generate([{"prompt_token_ids": p} for p in w["warmup"]["prompts_ids"]], greedy(8), use_tqdm=False)
+        return llm
+
+    def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
         def run():
+            # Every timed run starts from an empty prefix cache (only d's repeats would hit otherwise).
             llm.reset_prefix_cache()
-            fn()
-        return run
+            llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens), use_tqdm=False)
+        return median_time(run, args.repeats)
 
     a, b, c, d = w["a_single_decode"], w["b_batch32"], w["c_prefill1024"], w["d_shared_prefix"]
+    llm = engine()
     res = {
-        "a_decode": median_time(fresh(lambda: llm.generate(ids(a["prompt_ids"]), greedy(a["max_tokens"]), use_tqdm=False)), args.repeats),
-        "b_batch32": median_time(fresh(lambda: llm.generate([ids(p) for p in b["prompts_ids"]], greedy(b["max_tokens"]), use_tqdm=False)), args.repeats),
-        "c_prefill": median_time(fresh(lambda: llm.generate(ids(c["prompt_ids"]), greedy(1), use_tqdm=False)), args.repeats),
-        "d_prefix_on": median_time(fresh(lambda: llm.generate([ids(p) for p in d["prompts_ids"]], greedy(d["max_tokens"]), use_tqdm=False)), args.repeats),
+        "a_decode": timed(llm, [a["prompt_ids"]], a["max_tokens"]),
+        "b_batch32": timed(llm, b["prompts_ids"], b["max_tokens"]),
+        "c_prefill": timed(llm, [c["prompt_ids"]], 1),
+        "d_prefix_on": timed(llm, d["prompts_ids"], d["max_tokens"]),
     }
-    del llm
+    model_dir = llm.engine.model_dir
+    llm = None  # free this engine's KV cache before building the next one
     # The same workload with cache-aware admission: lpm + in-batch prefix grouping runs one
     # request of the shared prefix first so the other 31 hit it instead of computing it too.
-    lpm = LLM(args.model, scheduling_policy="lpm", **kw)
-    lpm.generate([ids(p) for p in w["warmup"]["prompts_ids"]], greedy(8), use_tqdm=False)
-    res["d_prefix_on_lpm"] = median_time(
-        lambda: (lpm.reset_prefix_cache(), lpm.generate([ids(p) for p in d["prompts_ids"]], greedy(d["max_tokens"]), use_tqdm=False)),
-        args.repeats,
-    )
-    del lpm
-    off = LLM(args.model, enable_prefix_caching=False, **kw)
-    off.generate([ids(p) for p in w["warmup"]["prompts_ids"]], greedy(8), use_tqdm=False)
-    res["d_prefix_off"] = median_time(lambda: off.generate([ids(p) for p in d["prompts_ids"]], greedy(d["max_tokens"]), use_tqdm=False), args.repeats)
-    return res, off.engine.model_dir
+    llm = engine(scheduling_policy="lpm")
+    res["d_prefix_on_lpm"] = timed(llm, d["prompts_ids"], d["max_tokens"])
+    llm = None
+    llm = engine(enable_prefix_caching=False)
+    res["d_prefix_off"] = timed(llm, d["prompts_ids"], d["max_tokens"])
+    return res, model_dir
 
 
 def hf_runs(args, w, model_dir):

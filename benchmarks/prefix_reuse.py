@@ -116,7 +116,7 @@ def index_overhead(total_tokens: int = 100_000, page: int = 128, prompt: int = 2
         fresh = {name: sp.allocate(new) for name, sp in spaces.items()}
         pages = {name: [nd.shadows[name] if nd.shadows[name] is not None else -1 for nd in hit.nodes] + fresh[name]
                  for name in spaces}
-        res = index.insert(toks, pages, start=hit.nodes[-1] if hit.nodes else None)
+        index.insert(toks, pages, start=hit.nodes[-1] if hit.nodes else None)
         if receipt is not None:
             index.unlock(receipt)
         for name, sp in spaces.items():

@@ -164,10 +164,6 @@ class KVCacheManager:
                 self.index.evict(name, short)
         return all(n <= self.spaces[name].num_free for name, n in needs.items())
 
-    def can_fit(self, num_tokens: int, max_chunk_tokens: int | None = None) -> bool:
-        """Whether a new request of num_tokens could ever fit into an empty cache."""
-        return not self.spaces_short_for(num_tokens, max_chunk_tokens)
-
     def pages_needed(self, num_tokens: int, max_chunk_tokens: int | None = None) -> dict[str, int]:
         """Most pages one request of num_tokens holds at once in each space, when it is
         computed in chunks of at most max_chunk_tokens (default: one page). A windowed space

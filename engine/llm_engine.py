@@ -250,8 +250,11 @@ class LLMEngine:
     def _process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[_Group]:
         now = time.monotonic()
         touched: dict[str, _Group] = {}
-        for rid, (first, entries) in result.prompt_logprobs.items():
-            req = next(s.request for s in sched.scheduled if s.request.request_id == rid)
+        for s in sched.scheduled:
+            if s.request.request_id not in result.prompt_logprobs:
+                continue
+            req = s.request
+            first, entries = result.prompt_logprobs[req.request_id]
             if req.prompt_logprobs is None:
                 req.prompt_logprobs = [None]  # the first prompt token has no logprob
             if len(req.prompt_logprobs) == first:  # skip a recomputation after preemption

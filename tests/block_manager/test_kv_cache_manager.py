@@ -1,7 +1,6 @@
 """KVCacheManager + ShadowIndex: sharing, eviction order, namespaces, exact ledgers."""
 import random
 
-import pytest
 
 from block_manager.kv_cache_manager import NULL_PAGE, KVCacheManager
 from block_manager.space_spec import SpaceSpec
@@ -117,5 +116,5 @@ def test_random_workload_keeps_ledgers_exact():
     for rid in list(live):
         kv.free(rid)
     kv.assert_idle()
-    assert kv.reset_prefix_cache() >= 0
+    kv.reset_prefix_cache()
     assert kv.spaces["full"].num_free == 24

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from block_manager.kv_cache_manager import NULL_PAGE, KVCacheManager
 from block_manager.space_spec import SpaceSpec
@@ -58,31 +58,27 @@ class ShadowIndexMachine(RuleBasedStateMachine):
     def _key(self, ns, toks, i):
         return (ns, tuple(toks[: (i + 1) * P]))
 
-    def _index_view(self) -> dict[tuple, dict[str, bool]]:
-        view = {}
+    def _walk(self):
+        """Every node of the index as ((namespace, its whole token prefix), node)."""
         for ns, root in self.kv.index._roots.items():
             stack = [(root, ())]
             while stack:
                 node, prefix = stack.pop()
                 for key, child in node.children.items():
                     p = prefix + key
-                    view[(ns, p)] = {s: child.shadows[s] is not None for s in self.windowed}
+                    yield (ns, p), child
                     stack.append((child, p))
-        return view
+
+    def _index_view(self) -> dict[tuple, dict[str, bool]]:
+        return {k: {s: n.shadows[s] is not None for s in self.windowed} for k, n in self._walk()}
 
     def _locks(self):
         full, swa = set(), set()
-        for ns, root in self.kv.index._roots.items():
-            stack = [(root, ())]
-            while stack:
-                node, prefix = stack.pop()
-                for key, child in node.children.items():
-                    p = prefix + key
-                    if child.full_lock_ref:
-                        full.add((ns, p))
-                    if child.swa_lock_ref:
-                        swa.add((ns, p))
-                    stack.append((child, p))
+        for k, child in self._walk():
+            if child.full_lock_ref:
+                full.add(k)
+            if child.swa_lock_ref:
+                swa.add(k)
         return full, swa
 
     def _ref_match(self, ns, toks) -> int:
