@@ -1,5 +1,16 @@
 from setuptools import find_packages, setup
 
+# One import package, `hybridkv`, whose subpackages are the repository's top-level folders:
+# hybridkv/ holds only the public API (__init__) and `python -m hybridkv`; engine/ installs as
+# hybridkv.engine, and so on. Nothing else lands on sys.path.
+SUBPACKAGES = ["engine", "block_manager", "model_executor", "attention_backends", "entrypoints"]
+packages = ["hybridkv"]
+package_dir = {"hybridkv": "hybridkv"}
+for top in SUBPACKAGES:
+    for pkg in [top] + [f"{top}.{p}" for p in find_packages(where=top)]:
+        packages.append(f"hybridkv.{pkg}")
+    package_dir[f"hybridkv.{top}"] = top
+
 setup(
     name="hybridkv",
     version="0.1.0",
@@ -7,7 +18,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["engine*", "block_manager*", "model_executor*", "attention_backends*", "entrypoints*"]),
+    packages=packages,
+    package_dir=package_dir,
     install_requires=[
         # CPU machines: install torch==2.13.0 (CPU build) first; this range never replaces it.
         "torch>=2.4",
@@ -25,5 +37,5 @@ setup(
         "test": ["pytest", "hypothesis", "openai", "prometheus-client"],
         "gpu": ["triton", "xformers"],
     },
-    entry_points={"console_scripts": ["hybridkv=entrypoints.cli:main"]},
+    entry_points={"console_scripts": ["hybridkv=hybridkv.entrypoints.cli:main"]},
 )

@@ -9,7 +9,10 @@ Spaces (names fixed by the model's SpaceSpecs):
 Page i of every space covers tokens [i*P, (i+1)*P); a space with r tokens per slot holds
 P/r slots per page, so entry w lives in page w // (P/r), slot w % (P/r).
 
-Built once per step (host side, vectorised), shared by every layer:
+Built once per step (host side, vectorised) from the step's block-table rows
+(StepSequences.block_tables, NULL_PAGE = 0 where a sequence holds no page), shared by every
+layer. Every padded or masked read points at slot 0 of the null page (zeros, never written),
+so the pools can be allocated uninitialised:
   * slot mappings where the new tokens' SWA keys and state rows are written,
   * compression plans: for every window that closes inside this step (token (w+1)m-1 is
     new), the state slots of the rows it pools and the slots its entry is written to,
@@ -24,7 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attention_backends.metadata import NULL_PAGE, StepSequences
+from hybridkv.attention_backends.metadata import NULL_SLOT, StepSequences
+from hybridkv.block_manager.space_spec import NULL_PAGE, window_start
 
 PREFILL_BLOCK_ROWS = 256  # queries per prefill block (bounds the [rows, keys] score tensors)
 DECODE_BLOCK_SEQS = 64  # decode sequences per padded block
@@ -98,29 +102,33 @@ class HybridAttentionMetadata:
     plans: dict[str, CompressionPlan]  # "csa" / "hca"
     blocks: list[QueryBlock]
 
-
-def _table(pages: list[int]) -> torch.Tensor:
-    return torch.tensor(pages if pages else [NULL_PAGE], dtype=torch.long)
+    def slot_mappings(self) -> dict[str, torch.Tensor]:
+        """Space -> every slot this step writes (the runner's null-page debug check reads it)."""
+        out = {SWA: self.swa_slot_mapping, STATE: self.state_slot_mapping}
+        for plan in self.plans.values():
+            for space, slots in plan.out_slots.items():
+                out[space] = torch.cat([out[space], slots]) if space in out else slots
+        return out
 
 
 def _token_slots(table: torch.Tensor, pos: torch.Tensor, page_size: int, check: bool = False) -> torch.Tensor:
-    """Slot of each token position through a page table ([pages] or [B, pages]); NULL -> 0."""
+    """Slot of each token position through a block table ([pages] or [B, pages], int32 or int64)."""
     idx = (pos // page_size).clamp(max=table.shape[-1] - 1)
     page = table[idx] if table.dim() == 1 else table.gather(1, idx)
-    if check and bool((page < 0).any()):
-        raise AssertionError("a read or write reached a released (out-of-window) page")
-    return torch.where(page >= 0, page * page_size + pos % page_size, 0)
+    if check and bool((page == NULL_PAGE).any()):
+        raise AssertionError("a read or write reached a page the sequence does not hold (released or never had)")
+    return page * page_size + pos % page_size
 
 
 def _entry_slots(table: torch.Tensor, w: torch.Tensor, slots_per_page: int) -> torch.Tensor:
     idx = (w // slots_per_page).clamp(max=table.shape[-1] - 1)
     page = table[idx] if table.dim() == 1 else table.gather(1, idx)
-    return torch.where(page >= 0, page * slots_per_page + w % slots_per_page, 0)
+    return page * slots_per_page + w % slots_per_page
 
 
-def _padded(tables: list[list[int]]) -> torch.Tensor:
-    width = max(1, max(len(t) for t in tables))
-    return torch.tensor([t + [NULL_PAGE] * (width - len(t)) for t in tables], dtype=torch.long)
+def _masked(slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Invalid reads go to slot 0 of the null page: zeros, so a masked read is finite."""
+    return torch.where(valid, slots, NULL_SLOT)
 
 
 def _plan(
@@ -138,16 +146,16 @@ def _plan(
         first = w * ratio - (ratio if overlap else 0)
         pos = first[:, None] + torch.arange(rows)[None, :]
         valid = pos >= 0
-        state = _table(seqs.page_tables[STATE][i])
+        state = seqs.block_tables[STATE][i]
         slots = _token_slots(state, pos.clamp(min=0), P)
         page = state[(pos.clamp(min=0) // P).clamp(max=state.numel() - 1)]
-        if bool(((page < 0) & valid).any()):
+        if bool(((page == NULL_PAGE) & valid).any()):
             raise AssertionError("compression needs state rows from a released page; the state window is too small")
-        row_slots.append(torch.where(valid, slots, 0))
+        row_slots.append(_masked(slots, valid))
         row_valid.append(valid)
         positions.append(w * ratio)
         for space in out_spaces:
-            out[space].append(_entry_slots(_table(seqs.page_tables[space][i]), w, P // ratio))
+            out[space].append(_entry_slots(seqs.block_tables[space][i], w, P // ratio))
     if not positions:
         empty = torch.empty(0, dtype=torch.long)
         return CompressionPlan(ratio, overlap, torch.empty(0, rows, dtype=torch.long),
@@ -161,16 +169,18 @@ def _plan(
 def _decode_block(seqs: StepSequences, layout: HybridLayout, lo: int, hi: int, row0: int) -> QueryBlock:
     P, W = layout.page_size, layout.window
     pos = torch.tensor(seqs.context_lens[lo:hi]) - 1  # [B] the single query of each sequence
-    kpos = pos[:, None] - W + 1 + torch.arange(W)[None, :]
-    valid = kpos >= 0
-    swa = KeySet(_token_slots(_padded(seqs.page_tables[SWA][lo:hi]), kpos.clamp(min=0), P), valid)
+    kpos = window_start(pos, W)[:, None] + torch.arange(W)[None, :]  # at most W keys per query
+    valid = kpos <= pos[:, None]
+    swa_table = seqs.block_tables[SWA][lo:hi]
+    swa = KeySet(_masked(_token_slots(swa_table, kpos, P), valid), valid)
     entries = {}
     for space, ratio in layout.compressed_spaces().items():
         count = (pos + 1) // ratio
         n = int(count.max())
         w = torch.arange(n)[None, :].expand(len(pos), n)
-        slots = _entry_slots(_padded(seqs.page_tables[space][lo:hi]), w, P // ratio) if n else w
-        entries[space] = KeySet(slots, w < count[:, None])
+        valid = w < count[:, None]
+        slots = _masked(_entry_slots(seqs.block_tables[space][lo:hi], w, P // ratio), valid) if n else w
+        entries[space] = KeySet(slots, valid)
     return QueryBlock(row0, row0 + (hi - lo), swa, entries)
 
 
@@ -178,15 +188,17 @@ def _prefill_blocks(seqs: StepSequences, layout: HybridLayout, i: int, row0: int
     P, W = layout.page_size, layout.window
     q, c = seqs.query_lens[i], seqs.context_lens[i]
     s = c - q
-    swa_table = _table(seqs.page_tables[SWA][i])
-    tables = {space: _table(seqs.page_tables[space][i]) for space in layout.compressed_spaces()}
+    swa_table = seqs.block_tables[SWA][i]
+    tables = {space: seqs.block_tables[space][i] for space in layout.compressed_spaces()}
     blocks = []
     for a in range(s, c, PREFILL_BLOCK_ROWS):
         b = min(c, a + PREFILL_BLOCK_ROWS)
         qpos = torch.arange(a, b)
-        kpos = torch.arange(max(0, a - W + 1), b)
-        rel = qpos[:, None] - kpos[None, :]
-        swa = KeySet(_token_slots(swa_table, kpos, P, check=True), (rel >= 0) & (rel < W))
+        # Every key in [window_start(a), b) is written (cached or new this step), so the shared
+        # slot list needs no null-page redirection; the mask is causal + window per query.
+        kpos = torch.arange(window_start(a, W), b)
+        mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] >= window_start(qpos, W)[:, None])
+        swa = KeySet(_token_slots(swa_table, kpos, P, check=True), mask)
         entries = {}
         for space, ratio in layout.compressed_spaces().items():
             w = torch.arange(b // ratio)  # entries the last query of the block may see
@@ -198,12 +210,20 @@ def _prefill_blocks(seqs: StepSequences, layout: HybridLayout, i: int, row0: int
 def build_hybrid_metadata(seqs: StepSequences, layout: HybridLayout) -> HybridAttentionMetadata:
     """Token order: the one-query sequences first (decodes), then prefill chunks (as the runner orders them)."""
     P = layout.page_size
-    slot_swa, slot_state = [], []
-    for i, (q, c) in enumerate(zip(seqs.query_lens, seqs.context_lens)):
-        pos = torch.arange(c - q, c)
-        slot_swa.append(_token_slots(_table(seqs.page_tables[SWA][i]), pos, P, check=True))
-        if STATE in seqs.page_tables:
-            slot_state.append(_token_slots(_table(seqs.page_tables[STATE][i]), pos, P, check=True))
+    # Where the new tokens' SWA keys and state rows go: one gather over the flat batch.
+    q_lens = torch.tensor(seqs.query_lens)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(seqs.query_lens)), q_lens)
+    first_row = torch.cumsum(q_lens, 0) - q_lens
+    positions = (torch.tensor(seqs.context_lens) - q_lens)[seq_of_token] + torch.arange(seq_of_token.shape[0])
+    positions = positions - first_row[seq_of_token]
+
+    def write_slots(space: str) -> torch.Tensor:
+        table = seqs.block_tables[space]
+        page = table[seq_of_token, (positions // P).clamp(max=table.shape[1] - 1)]
+        if bool((page == NULL_PAGE).any()):
+            raise AssertionError(f"a write reached a {space!r} page the sequence does not hold")
+        return page * P + positions % P
+
     empty = torch.empty(0, dtype=torch.long)
     plans = {}
     if layout.csa_ratio:
@@ -218,8 +238,8 @@ def build_hybrid_metadata(seqs: StepSequences, layout: HybridLayout) -> HybridAt
         row += seqs.query_lens[i]
     return HybridAttentionMetadata(
         num_tokens=sum(seqs.query_lens),
-        swa_slot_mapping=torch.cat(slot_swa) if slot_swa else empty,
-        state_slot_mapping=torch.cat(slot_state) if slot_state else empty,
+        swa_slot_mapping=write_slots(SWA),
+        state_slot_mapping=write_slots(STATE) if STATE in seqs.block_tables else empty,
         plans=plans,
         blocks=blocks,
     )

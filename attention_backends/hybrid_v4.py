@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention_backends.hybrid_metadata import HybridAttentionMetadata, KeySet
+from hybridkv.attention_backends.hybrid_metadata import HybridAttentionMetadata, KeySet
 
 INDEXER_SCORE_ELEMS = 1 << 24  # cap on [queries, heads, entries] elements per indexer matmul
 

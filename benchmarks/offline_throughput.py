@@ -17,11 +17,10 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from entrypoints import LLM, SamplingParams  # noqa: E402
+from hybridkv.entrypoints import LLM, SamplingParams  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VLLM_CPU = {"a_decode": "70.9 tok/s", "b_batch32": "778 tok/s (5.26 s)", "c_prefill": "2622 tok/s (0.39 s)",

@@ -21,16 +21,15 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import torch  # noqa: E402
 
-from block_manager.block_space import BlockSpace  # noqa: E402
-from block_manager.shadow_index import ShadowIndex  # noqa: E402
-from block_manager.space_spec import SpaceSpec  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from entrypoints import LLM  # noqa: E402
+from hybridkv.block_manager.block_space import BlockSpace  # noqa: E402
+from hybridkv.block_manager.shadow_index import ShadowIndex  # noqa: E402
+from hybridkv.block_manager.space_spec import SpaceSpec  # noqa: E402
+from hybridkv.engine.sampling_params import SamplingParams  # noqa: E402
+from hybridkv.entrypoints import LLM  # noqa: E402
 
 MODES = {"no cache": dict(enable_prefix_caching=False), "drop-whole-prefix": dict(windowed_match=False), "shadow index": {}}
 

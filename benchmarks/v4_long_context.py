@@ -23,13 +23,12 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import torch  # noqa: E402
 
-from engine.sampling_params import SamplingParams  # noqa: E402
-from entrypoints import LLM  # noqa: E402
+from hybridkv.engine.sampling_params import SamplingParams  # noqa: E402
+from hybridkv.entrypoints import LLM  # noqa: E402
 
 BENCH_CONFIG = dict(
     compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},

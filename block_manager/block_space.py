@@ -5,12 +5,15 @@ A page is in exactly one of three states:
   cached  -- referenced by the prefix index, refcount 0 (evictable)
   in use  -- refcount > 0 (held by running requests; may also be in the index)
 so free + cached + in_use == capacity at all times (check_invariants()).
+
+Page ids are 1..num_pages: page 0 (NULL_PAGE) is reserved in every space, never allocated and
+never written, so the physical tensors hold num_physical_pages = num_pages + 1 pages.
 """
 from __future__ import annotations
 
 from collections import deque
 
-from block_manager.space_spec import SpaceSpec
+from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
 
 
 class OutOfPagesError(RuntimeError):
@@ -25,9 +28,10 @@ class BlockSpace:
         self.spec = spec
         self.page_size = page_size
         self.num_pages = num_pages
-        self.refcount = [0] * num_pages
-        self.in_index = [False] * num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        self.num_physical_pages = num_pages + 1  # + the reserved NULL_PAGE
+        self.refcount = [0] * self.num_physical_pages
+        self.in_index = [False] * self.num_physical_pages
+        self._free: deque[int] = deque(range(NULL_PAGE + 1, self.num_physical_pages))
         self._num_in_use = 0
         self._num_cached_idle = 0
 
@@ -104,8 +108,11 @@ class BlockSpace:
     def check_invariants(self) -> None:
         free = set(self._free)
         assert len(free) == len(self._free), f"space {self.name!r}: a page is on the free list twice"
+        assert NULL_PAGE not in free and self.refcount[NULL_PAGE] == 0 and not self.in_index[NULL_PAGE], (
+            f"space {self.name!r}: the reserved null page was handed out"
+        )
         in_use = sum(1 for rc in self.refcount if rc > 0)
-        cached = sum(1 for p in range(self.num_pages) if self.refcount[p] == 0 and self.in_index[p])
+        cached = sum(1 for p in range(self.num_physical_pages) if self.refcount[p] == 0 and self.in_index[p])
         assert min(self.refcount) >= 0, f"space {self.name!r}: negative refcount"
         for p in free:
             assert self.refcount[p] == 0 and not self.in_index[p], (

@@ -1,17 +1,23 @@
 """KVCacheManager: allocates every block space of a request together (DESIGN.md §3, §5).
 
-The engine asks it three things: how much of a prompt is already cached (`match_prefix`),
-to make room for the next tokens of a request (`allocate`), and to release a request
-(`free`). Per request it keeps one page table per space; page i of every space holds the
-data of tokens [i*P, (i+1)*P). Pages of windowed spaces that fell out of the request's
-window are released early and their table entries set to NULL_PAGE.
+The engine asks it four things: how much of a prompt is already cached (`match_prefix`),
+to make room for the next tokens of a request (`allocate`, all-or-nothing), to record what a
+step computed (`commit`: publish whole pages, mark a prompt end, release out-of-window
+pages), and to let a request go (`retire`, or `free` without caching). Per request it keeps
+one page table per space — a Python list for bookkeeping and a row of that space's int32
+BlockTable for the kernels; page i of every space holds the data of tokens [i*P, (i+1)*P).
+Pages of windowed spaces that fell out of the request's window are released early and their
+entries set to NULL_PAGE (the reserved page 0, never allocated).
 
 With prefix caching on, every request holds one lock receipt on the shadow index
 (block_manager/shadow_index.py): a full lock on the path to its last recorded page (its
 *anchor*) and an SWA lock on exactly the recorded pages it still holds in windowed spaces.
-`_relock` moves that receipt whenever the anchor or the held window changes, so the SWA part
-is released as soon as the request has computed past it. Cross-invariant (check_invariants):
-an indexed page some request holds is protected by a lock in the index.
+`_relock` moves that receipt (ShadowIndex.move: only the pages whose lock state changes) when
+the anchor or the held window changes. Cross-invariant (check_invariants): an indexed page
+some request holds is protected by a lock in the index.
+
+"The index decides, the KV manager executes": the index changes metadata and says which pages
+leave it; this class owns the pools and the tables and applies those decisions.
 """
 from __future__ import annotations
 
@@ -19,10 +25,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-from block_manager.block_space import BlockSpace
-from block_manager.eviction_policy import EvictionPolicy
-from block_manager.shadow_index import NULL_PAGE, LockReceipt, ShadowIndex, ShadowNode
-from block_manager.space_spec import SpaceSpec
+from hybridkv.block_manager.block_space import BlockSpace
+from hybridkv.block_manager.block_table import BlockTable
+from hybridkv.block_manager.eviction_policy import EvictionPolicy
+from hybridkv.block_manager.shadow_index import LockReceipt, ShadowIndex, ShadowNode
+from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +53,17 @@ class PrefixHit:
 @dataclass
 class RequestPages:
     tables: dict[str, list[int]]
+    row: int  # this request's row in every space's BlockTable
     namespace: Hashable = None
     priority: int = 0  # eviction priority of the pages it inserts (the "priority" eviction policy)
     num_inserted_pages: int = 0  # whole pages already recorded in the prefix index
     num_released_pages: dict[str, int] = field(default_factory=dict)  # windowed spaces
     anchor: ShadowNode | None = None  # node of the last recorded page
     receipt: LockReceipt | None = None
+    # Hot-path thresholds (token counts): allocate/commit below them have nothing to do, so a
+    # decode step costs O(1) per request except when it crosses a page or window boundary.
+    grow_at: int = 0  # the first token count some space needs a new page for
+    commit_at: int = 0  # the next whole page to publish, or the next window release
 
 
 class KVCacheManager:
@@ -63,12 +75,16 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         eviction_policy: str = "lru",
         windowed_match: bool = True,
+        max_pages_per_request: int = 64,
+        max_requests: int = 16,
     ) -> None:
+        """max_pages_per_request / max_requests only size the block tables up front (they grow)."""
         if page_size < 1:
             raise ValueError(f"block_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.specs = {s.name: s for s in specs}
         self.spaces = {s.name: BlockSpace(s, num_pages[s.name], page_size) for s in specs}
+        self.block_tables = {s.name: BlockTable(max_pages_per_request, max_requests) for s in specs}
         self.enable_prefix_caching = enable_prefix_caching
         self.index = (
             ShadowIndex(self.spaces, page_size, EvictionPolicy(eviction_policy), windowed_match)
@@ -76,6 +92,7 @@ class KVCacheManager:
             else None
         )
         self._requests: dict[str, RequestPages] = {}
+        self._rows = BlockTable(1, max_requests)  # row allocator shared by every space's table
         # Counters for metrics (tokens).
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -83,15 +100,17 @@ class KVCacheManager:
 
     # -- prefix cache --------------------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int], namespace: Hashable = None, touch: bool = True) -> PrefixHit:
-        """Longest cached SWA-valid page-aligned prefix, never covering the last token (its logits are needed)."""
+        """Longest cached SWA-valid page-aligned prefix, never covering the last token (its logits
+        are needed). touch=False leaves hit counts and recency alone (the scheduler matches that
+        way and lets `allocate(touch_hit=True)` count the hit once, when it is admitted)."""
         if self.index is None:
             return PrefixHit([], 0, {name: 0 for name in self.spaces})
         max_pages = (len(token_ids) - 1) // self.page_size
         m = self.index.match(token_ids, namespace, max_pages=max_pages, touch=touch)
         n = len(m.nodes)
         per_space = {}
-        for name in self.spaces:
-            first = self.index.first_window_page(name, n) if name in self.index.windows else 0
+        for name, spec in self.specs.items():
+            first = self.index.first_window_page(name, n) if spec.windowed else 0
             per_space[name] = (n - first) * self.page_size
         return PrefixHit(m.nodes, m.num_tokens, per_space, m.device_tokens, m.host_tokens, m.storage_tokens)
 
@@ -103,6 +122,49 @@ class KVCacheManager:
                 self.prefix_hits_per_space[name] += n
 
     # -- allocation ----------------------------------------------------------------------------
+    def _hit_pages(self, hit: PrefixHit) -> dict[str, list[int]]:
+        """Per space, the table entries a request admitted with this hit starts with."""
+        n = len(hit.nodes)
+        out = {}
+        for name, spec in self.specs.items():
+            first = self.index.first_window_page(name, n) if spec.windowed else 0
+            pages = [NULL_PAGE] * first
+            for node in hit.nodes[first:]:
+                page = node.shadows[name]
+                if page is None:
+                    raise AssertionError(f"prefix hit reads a tombstoned {name!r} page {node.depth - 1}")
+                pages.append(page)
+            out[name] = pages
+        return out
+
+    def _newly_protected(self, hit: PrefixHit, hit_pages: dict[str, list[int]]) -> dict[str, int]:
+        """Evictable pages per space that locking this hit would protect (they stop counting as
+        room). O(hit pages), computed before anything changes."""
+        out = {name: 0 for name in self.spaces}
+        for name, pages in hit_pages.items():
+            windowed = self.specs[name].windowed
+            for node, page in zip(hit.nodes, pages):
+                if page == NULL_PAGE:
+                    continue
+                if (node.swa_lock_ref if windowed else node.full_lock_ref) == 0:
+                    out[name] += 1
+        return out
+
+    def can_allocate(self, needs: dict[str, int], protected: dict[str, int] | None = None) -> bool:
+        """Every space can hand out its pages from free + evictable (after `protected` pages stop
+        being evictable). Eviction in one space only ever frees pages elsewhere, so this per-space
+        test is exact."""
+        for name, n in needs.items():
+            if n <= 0:
+                continue
+            space = self.spaces[name]
+            room = space.num_free
+            if self.index is not None:
+                room += self.index.evictable[name] - (protected or {}).get(name, 0)
+            if n > room:
+                return False
+        return True
+
     def allocate(
         self,
         request_id: str,
@@ -110,72 +172,85 @@ class KVCacheManager:
         hit: PrefixHit | None = None,
         namespace: Hashable = None,
         priority: int = 0,
+        touch_hit: bool = False,
     ) -> bool:
         """Make the request's tables cover its first num_tokens tokens in every space.
 
-        The first call for a request may pass a prefix hit, whose pages it then shares (in a
-        windowed space only the pages of its window; older entries are NULL_PAGE) and locks
-        before anything is evicted to make room. Returns False (and changes nothing) when the
-        pages cannot be found even after evicting cached pages: the scheduler then preempts
-        someone or waits.
+        All-or-nothing: it first decides whether every space can be satisfied from free pages
+        plus evictable cached ones; only then does it lock the hit (the first call for a request
+        may pass one: its pages are shared, in a windowed space only the window's), evict exactly
+        what is short and take the pages. Otherwise it changes nothing — no eviction, no lock,
+        no hit count — and returns False: the scheduler then preempts someone or waits.
+        touch_hit counts the hit for the eviction policy (once, on admission).
         """
         req = self._requests.get(request_id)
-        new_request = req is None
-        if new_request:
-            req = RequestPages(tables={name: [] for name in self.spaces}, namespace=namespace, priority=priority)
+        if req is not None and num_tokens < req.grow_at:
+            return True  # the pages are already there (the common decode step)
+        hit_pages = None
+        if req is None:
+            current = {name: 0 for name in self.spaces}
             if hit is not None and hit.nodes:
-                n = len(hit.nodes)
-                for name, table in req.tables.items():
-                    windowed = self.specs[name].windowed
-                    first = self.index.first_window_page(name, n) if windowed else 0
-                    for i, node in enumerate(hit.nodes):
-                        page = node.shadows[name]
-                        if i < first:
-                            table.append(NULL_PAGE)
-                            continue
-                        if page is None:
-                            raise AssertionError(f"prefix hit reads a tombstoned {name!r} page {i}")
-                        self.spaces[name].incref(page)
-                        table.append(page)
-                    if windowed:
-                        req.num_released_pages[name] = first
-                req.num_inserted_pages = n
+                hit_pages = self._hit_pages(hit)
+                current = {name: len(p) for name, p in hit_pages.items()}
+        else:
+            current = {name: len(t) for name, t in req.tables.items()}
+        needs = {
+            name: self.specs[name].pages_for(num_tokens, self.page_size) - current[name] for name in self.spaces
+        }
+        protected = self._newly_protected(hit, hit_pages) if hit_pages is not None else None
+        if not self.can_allocate(needs, protected):
+            return False
+        if req is None:
+            req = RequestPages(
+                tables={name: [] for name in self.spaces}, row=self._rows.add_row(),
+                namespace=namespace, priority=priority,
+            )
+            self._requests[request_id] = req
+            if hit_pages is not None:
+                for name, pages in hit_pages.items():
+                    space = self.spaces[name]
+                    for page in pages:
+                        if page != NULL_PAGE:
+                            space.incref(page)
+                    self._extend(req, name, pages)
+                    if self.specs[name].windowed:
+                        req.num_released_pages[name] = pages.count(NULL_PAGE)
+                req.num_inserted_pages = len(hit.nodes)
                 req.anchor = hit.nodes[-1]
                 self._relock(req)
-        needs = {
-            name: self.specs[name].pages_for(num_tokens, self.page_size) - len(table)
-            for name, table in req.tables.items()
-        }
-        if not self._make_room(needs):
-            if new_request:
-                self._release(req)
-            return False
+                if touch_hit:
+                    self.index.touch(hit.nodes)
+        for name, n in needs.items():
+            short = n - self.spaces[name].num_free
+            if short > 0:
+                self.index.evict(name, short)
         for name, n in needs.items():
             if n > 0:
-                req.tables[name].extend(self.spaces[name].allocate(n))
-        self._requests[request_id] = req
+                self._extend(req, name, self.spaces[name].allocate(n))
+        req.grow_at = min(
+            (len(req.tables[name]) * spec.slots_per_page(self.page_size) + 1) * spec.tokens_per_slot
+            for name, spec in self.specs.items()
+        )
         return True
 
-    def _make_room(self, needs: dict[str, int]) -> bool:
-        for name, n in needs.items():
-            space = self.spaces[name]
-            short = n - space.num_free
-            if short > 0 and self.index is not None:
-                self.index.evict(name, short)
-        return all(n <= self.spaces[name].num_free for name, n in needs.items())
+    def _extend(self, req: RequestPages, space: str, pages: list[int]) -> None:
+        req.tables[space].extend(pages)
+        self.block_tables[space].append(req.row, pages)
+
+    def _set_entry(self, req: RequestPages, space: str, i: int, page: int) -> None:
+        req.tables[space][i] = page
+        self.block_tables[space].set(req.row, i, page)
 
     def pages_needed(self, num_tokens: int, max_chunk_tokens: int | None = None) -> dict[str, int]:
         """Most pages one request of num_tokens holds at once in each space, when it is
-        computed in chunks of at most max_chunk_tokens (default: one page). A windowed space
-        holds its window plus the chunk being computed (released after each step)."""
+        computed in chunks of at most max_chunk_tokens (default: one page)."""
         P = self.page_size
         chunk = max_chunk_tokens or P
         out = {}
-        for name, space in self.spaces.items():
-            need = space.spec.pages_for(num_tokens, P)
-            if space.spec.windowed:
-                need = min(need, -(-(space.spec.window - 1 + chunk) // P) + 1)
-            out[name] = need
+        for name, spec in self.specs.items():
+            need = spec.pages_for(num_tokens, P)
+            bound = spec.max_live_pages(chunk, P)
+            out[name] = need if bound is None else min(need, bound)
         return out
 
     def spaces_short_for(self, num_tokens: int, max_chunk_tokens: int | None = None) -> list[str]:
@@ -186,20 +261,50 @@ class KVCacheManager:
             if n > self.spaces[name].num_pages
         ]
 
+    # -- the per-step protocol -----------------------------------------------------------------
+    def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, prompt_done: bool = False) -> None:
+        """A step computed the request up to num_computed_tokens: publish its new whole pages,
+        mark the prompt's end as a likely match point when prompt_done, and release windowed
+        pages no later token reads."""
+        req = self._requests[request_id]
+        if num_computed_tokens < req.commit_at and not prompt_done:
+            return  # no page completed and no window moved past a page: nothing to record
+        self.cache_computed_pages(request_id, token_ids, num_computed_tokens)
+        if prompt_done:
+            self.mark_boundary(request_id)
+        self.release_out_of_window(request_id, num_computed_tokens)
+        P = self.page_size
+        nxt = (num_computed_tokens // P + 1) * P if self.index is not None else 1 << 62
+        for name, spec in self.specs.items():
+            if spec.windowed:  # first_kept_page grows past the released pages at this count
+                nxt = min(nxt, (req.num_released_pages.get(name, 0) + 1) * P + spec.window - 1)
+        req.commit_at = nxt
+
+    def retire(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, turn_done: bool) -> None:
+        """The request leaves (finished, aborted or preempted): its computed whole pages stay in
+        the prefix cache (marked as a turn end when turn_done), then every page goes back."""
+        if request_id in self._requests:
+            self.cache_computed_pages(request_id, token_ids, num_computed_tokens)
+            if turn_done:
+                self.mark_boundary(request_id)
+        self.free(request_id)
+
     def cache_computed_pages(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Record the request's whole computed pages in the prefix index (so others can share them).
 
         Pages the tree already holds replace the request's own copies (freed here); pages the
-        request already released go in as tombstones; its live pages heal tombstones."""
+        request already released go in as tombstones; its live pages heal tombstones. Costs the
+        new pages only (the walk resumes at the request's anchor)."""
         if self.index is None:
             return
         req = self._requests[request_id]
         full = num_computed_tokens // self.page_size
         if full <= req.num_inserted_pages:
             return
+        start = req.num_inserted_pages
         res = self.index.insert(
             token_ids[: full * self.page_size],
-            {name: table[:full] for name, table in req.tables.items()},
+            {name: _Tail(table, start, full) for name, table in req.tables.items()},
             req.namespace,
             start=req.anchor,
             priority=req.priority,
@@ -209,7 +314,7 @@ class KVCacheManager:
             for i, tree_page in dups:
                 space.incref(tree_page)  # take the tree's copy first, then drop ours
                 space.decref(table[i])
-                table[i] = tree_page
+                self._set_entry(req, name, i, tree_page)
         req.num_inserted_pages = full
         req.anchor = res.last_node
         self._relock(req)
@@ -224,39 +329,38 @@ class KVCacheManager:
     def release_out_of_window(self, request_id: str, num_computed_tokens: int) -> None:
         """Free windowed-space pages no future token of this request can read."""
         req = self._requests[request_id]
+        changed = False
         for name, table in req.tables.items():
-            window = self.specs[name].window
-            if window is None:
+            spec = self.specs[name]
+            if not spec.windowed:
                 continue
-            # The next query is at position num_computed_tokens; it reads [pos - window + 1, pos].
-            first_needed = max(0, num_computed_tokens - window + 1)
-            upto = min(first_needed // self.page_size, len(table))
+            upto = min(spec.first_kept_page(num_computed_tokens, self.page_size), len(table))
             start = req.num_released_pages.get(name, 0)
             for i in range(start, upto):
                 if table[i] != NULL_PAGE:
                     self.spaces[name].decref(table[i])
-                table[i] = NULL_PAGE
-            req.num_released_pages[name] = max(start, upto)
-        self._relock(req)
+                    self._set_entry(req, name, i, NULL_PAGE)
+            if upto > start:
+                req.num_released_pages[name] = upto
+                changed = True
+        if changed:
+            self._relock(req)
 
     def _relock(self, req: RequestPages) -> None:
         """Point the request's lock at its anchor, SWA-locking exactly the recorded windowed
-        pages it still holds; released early (SWA part only) once it holds none of them."""
+        pages it still holds (none: the SWA part is released early)."""
         if self.index is None or req.anchor is None:
             return
         end = req.anchor.depth
         held_from = min((req.num_released_pages.get(n, 0) for n in self.index.windows), default=end)
         swa_tokens = max(0, end - held_from) * self.page_size
-        old = req.receipt
-        if old is not None and old.anchor is req.anchor:
-            if swa_tokens == (old.swa_tokens if old.swa_held else 0):
-                return
-            if swa_tokens == 0:
-                self.index.release_swa(old)
-                return
-        req.receipt = self.index.lock(req.anchor, swa_tokens)
-        if old is not None:
-            self.index.unlock(old)
+        if req.receipt is None:
+            req.receipt = self.index.lock(req.anchor, swa_tokens)
+            return
+        held = req.receipt.swa_tokens if req.receipt.swa_held else 0
+        if req.receipt.anchor is req.anchor and held == swa_tokens:
+            return
+        req.receipt = self.index.move(req.receipt, req.anchor, swa_tokens)
 
     def free(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
@@ -274,10 +378,19 @@ class KVCacheManager:
                 if page != NULL_PAGE:
                     space.decref(page)
             table.clear()
+            self.block_tables[name].free_row(req.row)
+        self._rows.free_row(req.row)
 
     # -- introspection ---------------------------------------------------------------------
     def page_table(self, request_id: str, space: str) -> list[int]:
         return self._requests[request_id].tables[space]
+
+    def row_of(self, request_id: str) -> int:
+        """The request's row in every space's BlockTable."""
+        return self._requests[request_id].row
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
 
     def num_requests(self) -> int:
         return len(self._requests)
@@ -294,15 +407,21 @@ class KVCacheManager:
         if self.index is not None:
             self.index.check_invariants()
         held: dict[str, dict[int, int]] = {name: {} for name in self.spaces}
-        for req in self._requests.values():
+        rows = set()
+        for rid, req in self._requests.items():
+            assert req.row not in rows, f"request {rid} shares a block-table row"
+            rows.add(req.row)
             for name, table in req.tables.items():
+                bt = self.block_tables[name]
+                assert bt.num_pages[req.row] == len(table), f"space {name!r}: block table row length drift"
+                assert bt.tensor[req.row, : len(table)].tolist() == table, f"space {name!r}: block table differs"
                 for page in table:
                     if page != NULL_PAGE:
                         held[name][page] = held[name].get(page, 0) + 1
             if self.index is not None:
                 self._check_request_against_index(req)
         for name, space in self.spaces.items():
-            for page in range(space.num_pages):
+            for page in range(space.num_physical_pages):
                 assert space.refcount[page] == held[name].get(page, 0), (
                     f"space {name!r}: page {page} refcount {space.refcount[page]} but "
                     f"{held[name].get(page, 0)} request tables hold it"
@@ -330,8 +449,26 @@ class KVCacheManager:
                     )
 
     def assert_idle(self) -> None:
-        """No request holds a page: every page is free or cached, every refcount is zero."""
+        """No request holds a page: every page is free or cached, every refcount and lock is zero."""
         self.check_invariants()
         assert not self._requests, f"requests still hold pages: {list(self._requests)}"
         for space in self.spaces.values():
             assert space.num_in_use == 0, f"space {space.name!r}: {space.num_in_use} pages still in use"
+        if self.index is not None:
+            assert self.index.num_live_receipts == 0, f"{self.index.num_live_receipts} lock receipts still live"
+
+
+class _Tail(Sequence):
+    """table[start:end] seen at its original indices (insert reads only the new pages), without
+    copying the request's whole table every step."""
+
+    def __init__(self, table: list[int], start: int, end: int) -> None:
+        self.table, self.start, self.end = table, start, end
+
+    def __len__(self) -> int:
+        return self.end
+
+    def __getitem__(self, i: int) -> int:
+        if not self.start <= i < self.end:
+            raise IndexError(f"page {i} outside the inserted range [{self.start}, {self.end})")
+        return self.table[i]

@@ -10,17 +10,28 @@ and keep serving prefix hits.
 Granularity: one node per page. Every page boundary is already a node boundary, so `match`
 and `insert` never split a node, shadows never need to be cut, and a lock receipt's boundary
 node stays the same object for the receipt's whole life. The cost is one dict lookup per
-page on match/insert (a 100k-token tree with 128-token V4 pages is 782 nodes); the benefit is
-that the split bug class (receipts/boundaries lost in a split) cannot exist.
+page on match/insert; the benefit is that the split bug class (receipts/boundaries lost in a
+split) cannot exist.
 
 Locks (two counts per node, SGLang's receipt protocol):
   full_lock_ref  on every node of the path anchor -> root: the node cannot be deleted.
   swa_lock_ref   on the nodes covering the last `swa_tokens` before the anchor's end: their
                  windowed shadows cannot be tombstoned.
 `lock` returns a LockReceipt; the boundary (topmost SWA-locked node) is stamped with the
-receipt id, and `unlock`/`release_swa` walk up from the anchor until they meet that stamp,
-so they undo exactly what `lock` did even if the caller's idea of the window changed since.
+receipt id, so `unlock`/`release_swa` undo exactly what was locked even if the caller's idea
+of the window changed since. `move` slides a live receipt down to a deeper anchor touching
+only the pages whose lock state changes (moving one page down is O(1) for the full lock and
+O(window pages) for the SWA segment), never the whole anchor -> root path.
 Invariant: full_lock_ref >= swa_lock_ref >= 0 on every node.
+
+Eviction costs what it evicts (block_manager/eviction_policy.py's EvictionQueue):
+  _unlocked          nodes with full_lock_ref == 0, in policy order; the first leaf in it is the
+                     next whole-history victim (a node is touched after its descendants, so the
+                     front of a class is a leaf)
+  _idle[s]/_tail[s]  per windowed space, live unlocked shadows outside / inside the window of a
+                     *tail point* (a leaf, a branch point or a marked prompt/turn end: a likely
+                     future match end). Tail membership is kept incrementally: when a node
+                     becomes or stops being a tail point only the window above it is updated.
 
 Ledgers, per space, over live shadows: a shadow is *protected* when the lock that guards it is
 held (full for whole-history spaces, swa for windowed ones), else *evictable*;
@@ -28,16 +39,17 @@ evictable + protected == pages of that space in the index, after every operation
 """
 from __future__ import annotations
 
-import heapq
 import itertools
 from dataclasses import dataclass, field
 from typing import Hashable, Iterator, Sequence
 
-from block_manager.block_space import BlockSpace
-from block_manager.eviction_policy import EvictionPolicy
+from hybridkv.block_manager.block_space import BlockSpace
+from hybridkv.block_manager.eviction_policy import EvictionPolicy, EvictionQueue
+from hybridkv.block_manager.space_spec import NULL_PAGE
 
 TOMBSTONE = None  # shadow of a windowed space whose page was dropped
-NULL_PAGE = -1  # a request table's entry for a page it released (out of its window)
+
+__all__ = ["NULL_PAGE", "TOMBSTONE", "ShadowIndex", "ShadowNode", "LockReceipt", "MatchResult", "InsertResult"]
 
 
 @dataclass(eq=False)
@@ -54,7 +66,10 @@ class ShadowNode:
     hit_count: int = 0
     priority: int = 0
     boundary: bool = False  # a cached prompt or turn ended here: a likely future match point
-    seq: int = 0  # creation order: the deterministic last tie-break of eviction order
+    seq: int = 0  # creation order (deterministic tie-breaks; never id() or set order)
+    tail_point: bool = False  # leaf, branch point or boundary (counted in the tail_refs above it)
+    tail_refs: dict[str, int] = field(default_factory=dict)  # windowed space -> tail points whose window covers this node
+    namespace: Hashable = None  # roots only
 
     @property
     def is_root(self) -> bool:
@@ -70,7 +85,7 @@ class ShadowNode:
 
 @dataclass
 class LockReceipt:
-    """What `lock` did; `unlock` must present it. swa_boundary is None when no node got an SWA lock."""
+    """What a lock holds now; `unlock` must present it. swa_boundary is None when no node is SWA-locked."""
 
     id: int
     anchor: ShadowNode
@@ -123,6 +138,7 @@ class ShadowIndex:
         self.windowed_match = windowed_match
         self.windows: dict[str, int] = {n: s.spec.window for n, s in spaces.items() if s.spec.windowed}
         self.whole = [n for n, s in spaces.items() if not s.spec.windowed]
+        self._specs = {n: s.spec for n, s in spaces.items()}
         self._roots: dict[Hashable, ShadowNode] = {}
         self._nodes: set[ShadowNode] = set()
         self._clock = itertools.count(1)
@@ -131,6 +147,9 @@ class ShadowIndex:
         self._live_receipts: dict[int, LockReceipt] = {}
         self.evictable = {n: 0 for n in spaces}
         self.protected = {n: 0 for n in spaces}
+        self._unlocked = EvictionQueue(self.policy)
+        self._idle = {s: EvictionQueue(self.policy) for s in self.windows}
+        self._tail = {s: EvictionQueue(self.policy) for s in self.windows}
 
     @property
     def num_nodes(self) -> int:
@@ -139,11 +158,15 @@ class ShadowIndex:
     def nodes(self) -> Iterator[ShadowNode]:
         return iter(self._nodes)
 
+    @property
+    def num_live_receipts(self) -> int:
+        return len(self._live_receipts)
+
     # -- helpers --------------------------------------------------------------------------------
     def _root(self, namespace: Hashable, create: bool) -> ShadowNode | None:
         root = self._roots.get(namespace)
         if root is None and create:
-            root = self._roots[namespace] = ShadowNode(key=(), parent=None, depth=0)
+            root = self._roots[namespace] = ShadowNode(key=(), parent=None, depth=0, namespace=namespace)
         return root
 
     def _key(self, token_ids: Sequence[int], i: int) -> tuple[int, ...]:
@@ -151,10 +174,9 @@ class ShadowIndex:
         return tuple(token_ids[i * P : (i + 1) * P])
 
     def first_window_page(self, space: str, end_page: int) -> int:
-        """First page a request resuming at token end_page*P still reads in a windowed space.
-        The query at position L reads [L - window + 1, L] (same rule as the per-request release)."""
-        L = end_page * self.page_size
-        return max(0, L - self.windows[space] + 1) // self.page_size
+        """First page a request resuming at token end_page*P still reads in a windowed space
+        (the window rule lives in SpaceSpec.first_kept_page)."""
+        return self._specs[space].first_kept_page(end_page * self.page_size, self.page_size)
 
     def _guard_locked(self, node: ShadowNode, space: str) -> bool:
         return (node.swa_lock_ref if space in self.windows else node.full_lock_ref) > 0
@@ -168,6 +190,82 @@ class ShadowIndex:
     def _has_data(self, node: ShadowNode) -> bool:
         return any(p is not None for p in node.shadows.values())
 
+    def _is_dead_leaf(self, node: ShadowNode) -> bool:
+        """An unlocked leaf that can serve no hit: no data, or a windowed shadow tombstoned (a
+        match ending at a node needs that node's own windowed pages). The index drops these at
+        once, so eviction never has to skip them."""
+        if node.children or node.full_lock_ref or node.is_root:
+            return False
+        return not self._has_data(node) or any(node.shadows[s] is None for s in self.windows)
+
+    # -- eviction queues: membership follows the node's state -----------------------------------
+    def _window_queue(self, node: ShadowNode, space: str) -> EvictionQueue | None:
+        """The queue node's shadow in a windowed space belongs in (None: not evictable there)."""
+        if node.shadows[space] is None or node.swa_lock_ref:
+            return None
+        return self._tail[space] if node.tail_refs[space] else self._idle[space]
+
+    def _sync(self, node: ShadowNode, touch: bool = False) -> None:
+        """Put node in exactly the queues its state calls for. touch=True also moves it to the
+        back of each (it was just used); otherwise a node that stays keeps its place."""
+        if node.full_lock_ref == 0:
+            if touch or node not in self._unlocked:
+                self._unlocked.add(node)
+        else:
+            self._unlocked.discard(node)
+        for s in self.windows:
+            want = self._window_queue(node, s)
+            for q in (self._idle[s], self._tail[s]):
+                if q is want:
+                    if touch or node not in q:
+                        q.add(node)
+                else:
+                    q.discard(node)
+
+    def _forget(self, node: ShadowNode) -> None:
+        self._unlocked.discard(node)
+        for s in self.windows:
+            self._idle[s].discard(node)
+            self._tail[s].discard(node)
+
+    def _touch(self, nodes: Sequence[ShadowNode], hit: bool) -> None:
+        """Mark nodes (a root -> node path, top-down) as just used. Updated bottom-up, so within a
+        class a node always sits behind its descendants and the front of the queue is a leaf."""
+        now = next(self._clock)
+        for nd in reversed(nodes):
+            nd.last_access = now
+            if hit:
+                nd.hit_count += 1
+            self._sync(nd, touch=True)
+
+    def touch(self, nodes: Sequence[ShadowNode]) -> None:
+        """Count a prefix hit once it is admitted (match(touch=False) before that)."""
+        if nodes:
+            self._touch(nodes, hit=True)
+
+    # -- tail points (windowed spaces) -----------------------------------------------------------
+    def _is_tail_point(self, node: ShadowNode) -> bool:
+        return not node.is_root and (node.boundary or len(node.children) != 1)
+
+    def _update_tail_point(self, node: ShadowNode, force_off: bool = False) -> None:
+        """Recount node as a tail point (or not): only the window of pages ending at it changes."""
+        if not self.windows or node.is_root:
+            return
+        want = False if force_off else self._is_tail_point(node)
+        if want == node.tail_point:
+            return
+        node.tail_point = want
+        delta = 1 if want else -1
+        for s in self.windows:
+            k = node.depth - self.first_window_page(s, node.depth)  # pages of the window ending at node
+            nd = node
+            for _ in range(k):
+                before = nd.tail_refs[s]
+                nd.tail_refs[s] = before + delta
+                if (before == 0) != (before + delta == 0) and nd.shadows[s] is not None and not nd.swa_lock_ref:
+                    self._sync(nd)
+                nd = nd.parent
+
     # -- match ------------------------------------------------------------------------------------
     def match(
         self, token_ids: Sequence[int], namespace: Hashable = None, max_pages: int | None = None, touch: bool = True
@@ -175,7 +273,7 @@ class ShadowIndex:
         """Longest page-aligned prefix (at most max_pages) that is SWA-valid: every node on it
         exists (so its whole-history shadows are present) and, for each windowed space, the pages
         from the space's window start before the boundary up to the boundary are live. A prefix
-        whose window reaches the root needs no more than what exists."""
+        whose window reaches the root needs no more than what exists. Costs the prompt's pages."""
         P = self.page_size
         node = self._root(namespace, create=False)
         n = len(token_ids) // P if max_pages is None else min(max_pages, len(token_ids) // P)
@@ -207,10 +305,7 @@ class ShadowIndex:
                 best = d
         hit = path[:best]
         if touch and hit:
-            now = next(self._clock)
-            for nd in hit:
-                nd.last_access = now
-                nd.hit_count += 1
+            self._touch(hit, hit=True)
         return MatchResult(hit, best * P, best * P, full_tokens=len(path) * P)
 
     # -- insert -----------------------------------------------------------------------------------
@@ -225,25 +320,26 @@ class ShadowIndex:
         """Record a request's whole pages under token_ids (pages[s][i] holds page i in space s;
         NULL_PAGE = the request already released it, below its window).
 
-        `start` resumes below a node the caller holds locked (its previous insert), skipping the
-        walk over pages already recorded. Existing nodes keep their pages (the request's equal
-        pages are reported as duplicates for the caller to swap out); a tombstone the request
-        still has live is healed by adopting the request's page (the page joins the index; the
-        request keeps its reference, so nothing is freed twice); new nodes take the request's
-        pages, with a tombstone wherever the request already released the windowed page (never
-        a live shadow for a page the request no longer owns).
+        `start` resumes below a node the caller holds locked (its previous insert), so the cost
+        is the new pages only. Existing nodes keep their pages (the request's equal pages are
+        reported as duplicates for the caller to swap out); a tombstone the request still has
+        live is healed by adopting the request's page (the page joins the index; the request
+        keeps its reference, so nothing is freed twice); new nodes take the request's pages,
+        with a tombstone wherever the request already released the windowed page (never a live
+        shadow for a page the request no longer owns).
         """
         num_pages = min(len(token_ids) // self.page_size, min(len(t) for t in pages.values()))
         node = start if start is not None else self._root(namespace, create=True)
-        now = next(self._clock)
         duplicates: dict[str, list[tuple[int, int]]] = {s: [] for s in pages}
         adopted: dict[str, list[int]] = {s: [] for s in self.windows}
+        walked: list[ShadowNode] = []
         new = 0
         for i in range(node.depth, num_pages):
             key = self._key(token_ids, i)
             child = node.children.get(key)
             if child is None:
                 child = ShadowNode(key=key, parent=node, depth=node.depth + 1, priority=priority, seq=next(self._seq))
+                child.tail_refs = {s: 0 for s in self.windows}
                 for s, table in pages.items():
                     page = table[i]
                     if page == NULL_PAGE:
@@ -256,6 +352,8 @@ class ShadowIndex:
                     self.evictable[s] += 1  # a fresh node carries no lock yet
                 node.children[key] = child
                 self._nodes.add(child)
+                self._update_tail_point(child)
+                self._update_tail_point(node)
                 new += 1
             else:
                 child.hit_count += 1
@@ -271,39 +369,77 @@ class ShadowIndex:
                         adopted[s].append(i)
                     else:
                         duplicates[s].append((i, page))
-            child.last_access = now
+            walked.append(child)
             node = child
+        if walked:
+            self._touch(walked, hit=False)
         return InsertResult(node, new, duplicates, adopted)
 
     def mark_boundary(self, node: ShadowNode) -> None:
-        if not node.is_root:
+        if not node.is_root and not node.boundary:
             node.boundary = True
+            self._update_tail_point(node)
 
     # -- locks ---------------------------------------------------------------------------------------
-    def lock(self, anchor: ShadowNode, swa_tokens: int = 0) -> LockReceipt:
-        """Full-lock the path anchor -> root; SWA-lock the nodes covering the last swa_tokens
-        tokens before the anchor's end."""
-        rid = next(self._receipt_ids)
-        for nd in anchor.path():
-            if nd.full_lock_ref == 0:
-                for s in self.whole:
+    def _full_inc(self, nd: ShadowNode) -> None:
+        if nd.full_lock_ref == 0:
+            for s in self.whole:
+                self.evictable[s] -= 1
+                self.protected[s] += 1
+            nd.full_lock_ref = 1
+            self._sync(nd)
+        else:
+            nd.full_lock_ref += 1
+
+    def _full_dec(self, nd: ShadowNode, receipt_id: int) -> None:
+        if nd.full_lock_ref <= 0:
+            raise AssertionError(f"unlock of receipt {receipt_id} reached a node with full_lock_ref 0")
+        nd.full_lock_ref -= 1
+        if nd.full_lock_ref == 0:
+            for s in self.whole:
+                self.protected[s] -= 1
+                self.evictable[s] += 1
+
+    def _swa_inc(self, nd: ShadowNode) -> None:
+        nd.swa_lock_ref += 1
+        if nd.swa_lock_ref == 1:
+            for s in self.windows:
+                if nd.shadows[s] is not None:
                     self.evictable[s] -= 1
                     self.protected[s] += 1
-            nd.full_lock_ref += 1
+            self._sync(nd)
+
+    def _swa_dec(self, nd: ShadowNode, receipt_id: int) -> bool:
+        """True when the node's SWA shadows just became evictable."""
+        if nd.swa_lock_ref <= 0:
+            raise AssertionError(f"swa unlock of receipt {receipt_id} reached a node with swa_lock_ref 0")
+        nd.swa_lock_ref -= 1
+        if nd.swa_lock_ref:
+            return False
+        for s in self.windows:
+            if nd.shadows[s] is not None:
+                self.protected[s] -= 1
+                self.evictable[s] += 1
+        return True
+
+    def _swa_pages(self, anchor: ShadowNode, swa_tokens: int) -> int:
+        """Nodes an SWA lock of swa_tokens tokens ending at anchor covers."""
+        if not self.windows or swa_tokens <= 0:
+            return 0
+        return min(anchor.depth, -(-swa_tokens // self.page_size))
+
+    def lock(self, anchor: ShadowNode, swa_tokens: int = 0) -> LockReceipt:
+        """Full-lock the path anchor -> root; SWA-lock the nodes covering the last swa_tokens
+        tokens before the anchor's end. O(depth): a request locks once, then `move`s."""
+        rid = next(self._receipt_ids)
+        for nd in anchor.path():
+            self._full_inc(nd)
+        k = self._swa_pages(anchor, swa_tokens)
         boundary = None
-        covered = 0
-        if self.windows:
-            for nd in anchor.path():
-                if covered >= swa_tokens:
-                    break
-                if nd.swa_lock_ref == 0:
-                    for s in self.windows:
-                        if nd.shadows[s] is not None:
-                            self.evictable[s] -= 1
-                            self.protected[s] += 1
-                nd.swa_lock_ref += 1
-                covered += self.page_size
-                boundary = nd
+        nd = anchor
+        for _ in range(k):
+            self._swa_inc(nd)
+            boundary, nd = nd, nd.parent
         if boundary is not None:
             boundary.swa_receipts.add(rid)
         receipt = LockReceipt(rid, anchor, swa_tokens, boundary, swa_held=boundary is not None)
@@ -314,172 +450,203 @@ class ShadowIndex:
         if receipt.released or self._live_receipts.get(receipt.id) is not receipt:
             raise AssertionError(f"lock receipt {receipt.id} is not live (unlocked twice, or not from this index)")
 
+    def move(self, receipt: LockReceipt, anchor: ShadowNode, swa_tokens: int) -> LockReceipt:
+        """Re-point a live lock at `anchor` (a descendant of, or the same node as, its anchor)
+        with an SWA segment of swa_tokens, touching only the nodes whose lock state changes:
+        the new pages below the old anchor, and the SWA segment's two ends. Returns the receipt
+        (the same object; a new one only when anchor is not below the old anchor)."""
+        self._check_receipt(receipt)
+        old = receipt.anchor
+        below: list[ShadowNode] = []  # nodes from anchor up to, excluding, the old anchor
+        nd = anchor
+        while nd is not old and nd.depth > old.depth:
+            below.append(nd)
+            nd = nd.parent
+        if nd is not old:  # not a descendant: lock anew, then drop the old lock
+            new = self.lock(anchor, swa_tokens)
+            self.unlock(receipt)
+            return new
+        for nd in below:
+            self._full_inc(nd)
+        # SWA segment: old covers depths [old_top, old.depth], new covers [new_top, anchor.depth].
+        old_k = self._swa_pages(old, receipt.swa_tokens) if receipt.swa_held else 0
+        new_k = self._swa_pages(anchor, swa_tokens)
+        old_top, new_top = old.depth - old_k + 1, anchor.depth - new_k + 1
+        if old_k:
+            receipt.swa_boundary.swa_receipts.discard(receipt.id)
+        boundary = None
+        released: list[ShadowNode] = []
+        lo = min(old_top if old_k else new_top, new_top)
+        nd = anchor
+        while nd is not None and not nd.is_root and nd.depth >= lo:
+            d = nd.depth
+            in_old = old_k > 0 and old_top <= d <= old.depth
+            in_new = new_k > 0 and d >= new_top
+            if in_new and not in_old:
+                self._swa_inc(nd)
+            elif in_old and not in_new and self._swa_dec(nd, receipt.id):
+                released.append(nd)
+            if new_k and d == new_top:
+                boundary = nd
+            nd = nd.parent
+        now = next(self._clock)
+        for nd in released:  # bottom-up: their windowed shadows are evictable from now on
+            nd.last_access = max(nd.last_access, now)
+            self._sync(nd, touch=True)
+        if boundary is not None:
+            boundary.swa_receipts.add(receipt.id)
+        receipt.anchor, receipt.swa_tokens = anchor, swa_tokens
+        receipt.swa_boundary, receipt.swa_held = boundary, boundary is not None
+        return receipt
+
     def release_swa(self, receipt: LockReceipt) -> None:
         """Drop the SWA part of a lock early (the request decoded past that window); the full
         lock stays. Idempotent per receipt."""
         self._check_receipt(receipt)
         if not receipt.swa_held:
             return
+        released = []
         for nd in receipt.anchor.path():
-            if nd.swa_lock_ref <= 0:
-                raise AssertionError(f"swa unlock of receipt {receipt.id} reached a node with swa_lock_ref 0")
-            nd.swa_lock_ref -= 1
-            if nd.swa_lock_ref == 0:
-                for s in self.windows:
-                    if nd.shadows[s] is not None:
-                        self.protected[s] -= 1
-                        self.evictable[s] += 1
+            if self._swa_dec(nd, receipt.id):
+                released.append(nd)
             if receipt.id in nd.swa_receipts:
                 nd.swa_receipts.discard(receipt.id)
                 break
         else:
             raise AssertionError(f"swa unlock of receipt {receipt.id} never met its boundary")
+        now = next(self._clock)
+        for nd in released:
+            nd.last_access = max(nd.last_access, now)
+            self._sync(nd, touch=True)
         receipt.swa_held = False
+        receipt.swa_boundary = None
 
     def unlock(self, receipt: LockReceipt) -> None:
+        """Release a receipt: O(depth), once per request. Nodes left unlocked count as used now
+        (they were in use until this moment), bottom-up."""
         self.release_swa(receipt)
+        freed = []
         for nd in receipt.anchor.path():
-            if nd.full_lock_ref <= 0:
-                raise AssertionError(f"unlock of receipt {receipt.id} reached a node with full_lock_ref 0")
-            nd.full_lock_ref -= 1
+            self._full_dec(nd, receipt.id)
             if nd.full_lock_ref == 0:
-                for s in self.whole:
-                    self.protected[s] -= 1
-                    self.evictable[s] += 1
+                freed.append(nd)
         receipt.released = True
         del self._live_receipts[receipt.id]
+        now = next(self._clock)
+        for nd in freed:
+            nd.last_access = max(nd.last_access, now)
+            self._sync(nd, touch=True)
         anchor = receipt.anchor
-        # A Mistral-like node whose every shadow was tombstoned while locked goes once unlocked.
-        if anchor in self._nodes and not anchor.children and not anchor.full_lock_ref and not self._has_data(anchor):
+        # An anchor whose windowed shadow was tombstoned while it was locked goes once unlocked.
+        if anchor in self._nodes and self._is_dead_leaf(anchor):
             self._delete(anchor)
 
     # -- eviction ------------------------------------------------------------------------------------
-    def _evict_order(self, node: ShadowNode) -> tuple:
-        """Policy order, then deeper nodes first, then creation order: never id() or set order,
-        so eviction is reproducible run to run."""
-        return (*self.policy.key(node), -node.depth, node.seq)
-
-    def _tails(self, space: str) -> set[ShadowNode]:
-        """Nodes holding the window of `space` before a likely match point: a leaf, a branch point
-        (two or more children) or a marked prompt/turn end. Tombstoning these would lose a hit."""
-        tails: set[ShadowNode] = set()
-        for nd in self._nodes:
-            if not (nd.boundary or len(nd.children) != 1):
-                continue
-            first = self.first_window_page(space, nd.depth)
-            for up in nd.path():
-                if up.depth <= first:
-                    break
-                tails.add(up)
-        return tails
+    def _first_leaf(self, space: str | None = None) -> ShadowNode | None:
+        """Next unlocked leaf in policy order (with a live page in `space`, when given). The
+        front of each class is a leaf, so this normally looks at one node."""
+        for nd in self._unlocked:
+            if not nd.children and (space is None or nd.shadows[space] is not None):
+                return nd
+        return None
 
     def evict(self, space: str, num_pages: int) -> int:
         """Free up to num_pages pages of `space` from the index; returns pages freed in `space`.
 
         Whole-history space: delete unlocked leaves in policy order (a deleted node's parent may
-        become a candidate). Windowed space, in three tiers, policy order within each:
-          0. tombstone unlocked shadows outside every tail (no likely hit needs them),
-          1. delete whole unlocked leaves (frees every space),
+        become the next candidate). Windowed space, in three tiers, policy order within each:
+          0. tombstone unlocked shadows outside every tail window (no likely hit needs them),
+          1. delete whole unlocked leaves that hold a page here (frees every space),
           2. tombstone tail shadows (a hit at that boundary is lost; deeper ones may survive).
+             An unlocked leaf is deleted instead: without its window it can serve no hit at all,
+             and keeping it would leave tier 1 scanning dead leaves (the index holds only what
+             can still serve a hit).
         """
+        pool = self.spaces[space]
+        start = pool.num_free
+        # Freed pages are counted at the pool: deleting a node can also drop ancestors that became
+        # dead leaves, whose pages in this space are freed too.
         if space not in self.windows:
-            return self._evict_leaves(space, num_pages)
-        freed = 0
-        tails = self._tails(space)
-        live = [n for n in self._nodes if n.shadows[space] is not None and n.swa_lock_ref == 0]
-        tier0 = sorted((n for n in live if n not in tails), key=self._evict_order)
-        for nd in tier0:
-            if freed >= num_pages:
-                return freed
-            self._tombstone(nd, space)
-            freed += 1
-        # Tier 1 only takes leaves that hold a page of this space: deleting others gains nothing here.
-        tier1 = sorted(
-            (n for n in self._nodes if not n.children and n.full_lock_ref == 0 and n.shadows[space] is not None),
-            key=self._evict_order,
-        )
-        for leaf in tier1:
-            if freed >= num_pages:
-                return freed
-            if leaf in self._nodes and not leaf.children:
-                freed += self._freed_in(leaf, space)
+            while pool.num_free - start < num_pages:
+                leaf = self._first_leaf()
+                if leaf is None:
+                    break
                 self._delete(leaf)
-        tier2 = sorted(
-            (n for n in self._nodes if n.shadows[space] is not None and n.swa_lock_ref == 0), key=self._evict_order
-        )
-        for nd in tier2:
-            if freed >= num_pages:
-                break
-            self._tombstone(nd, space)
-            freed += 1
-        return freed
-
-    def _evict_leaves(self, space: str, num_pages: int) -> int:
-        """Delete unlocked leaves in policy order until num_pages pages of space were freed; a
-        parent that becomes an unlocked leaf joins the candidates."""
-        heap = [(self._evict_order(n), n.seq, n) for n in self._nodes if not n.children and n.full_lock_ref == 0]
-        heapq.heapify(heap)
-        freed = 0
-        while heap and freed < num_pages:
-            _, _, leaf = heapq.heappop(heap)
-            if leaf not in self._nodes or leaf.children or leaf.full_lock_ref:
+            return pool.num_free - start
+        idle, tail = self._idle[space], self._tail[space]
+        while pool.num_free - start < num_pages:
+            # Re-pick the tier for every page: deleting a leaf can turn its parent's tail shadow
+            # into an idle one (the parent stops being a branch point), which tier 0 takes first.
+            nd = idle.first()
+            if nd is not None:
+                self._tombstone(nd, space)
                 continue
-            parent = leaf.parent
-            freed += self._freed_in(leaf, space)
+            leaf = self._first_leaf(space)
+            if leaf is None:
+                leaf = tail.first()
+                if leaf is None:
+                    break
+                if leaf.children or leaf.full_lock_ref:
+                    self._tombstone(leaf, space)
+                    continue
             self._delete(leaf)
-            # _delete may also have removed data-less ancestors; the first survivor may be a new leaf.
-            while parent is not None and not parent.is_root and parent not in self._nodes:
-                parent = parent.parent
-            if parent is not None and not parent.is_root and not parent.children and parent.full_lock_ref == 0:
-                heapq.heappush(heap, (self._evict_order(parent), parent.seq, parent))
-        return freed
-
-    def _freed_in(self, node: ShadowNode, space: str) -> int:
-        """1 if deleting node frees its page in space (nobody else holds it), else 0."""
-        page = node.shadows.get(space)
-        return int(page is not None and self.spaces[space].refcount[page] == 0)
+        return pool.num_free - start
 
     def _tombstone(self, node: ShadowNode, space: str) -> None:
-        """Drop a windowed shadow; remove the node too if that left it childless, unlocked and empty."""
+        """Drop a windowed shadow; remove the node too if that left it a dead leaf."""
         if node.swa_lock_ref:
             raise AssertionError("tombstoning an SWA-locked shadow")
         page = node.shadows[space]
         self.evictable[space] -= 1
         node.shadows[space] = TOMBSTONE
         self.spaces[space].remove_from_index(page)
-        if not node.children and node.full_lock_ref == 0 and not self._has_data(node):
+        self._sync(node)
+        if self._is_dead_leaf(node):
             self._delete(node)
 
     def _delete(self, node: ShadowNode) -> None:
-        """Delete an unlocked leaf, then every childless, unlocked ancestor without data."""
+        """Delete an unlocked leaf, then every ancestor that became a dead leaf, and the
+        namespace root once it is empty."""
         while True:
             if node.children or node.full_lock_ref or node.is_root:
                 raise AssertionError("only unlocked leaves can be deleted")
+            self._update_tail_point(node, force_off=True)
             for s, page in node.shadows.items():
                 if page is not None:
                     self.evictable[s] -= 1
                     self.spaces[s].remove_from_index(page)
                     node.shadows[s] = TOMBSTONE
+            self._forget(node)
             parent = node.parent
             del parent.children[node.key]
             self._nodes.discard(node)
+            if parent.is_root:
+                if not parent.children:
+                    del self._roots[parent.namespace]
+                return
+            self._update_tail_point(parent)
             node = parent
-            if node.is_root or node.children or node.full_lock_ref or self._has_data(node):
+            if not self._is_dead_leaf(node):
                 return
 
     def clear(self) -> int:
         """Drop every node no request holds (reset_prefix_cache). Returns nodes dropped."""
         before = len(self._nodes)
-        self._evict_leaves(next(iter(self.spaces)), len(self._nodes) + 1)
+        while (leaf := self._first_leaf()) is not None:
+            self._delete(leaf)
         return before - len(self._nodes)
 
     # -- checks ----------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
+        """Full recount (tests only; O(tree x window))."""
         evictable = {n: 0 for n in self.spaces}
         protected = {n: 0 for n in self.spaces}
         referenced: dict[str, set[int]] = {n: set() for n in self.spaces}
         seen = 0
         stamps: dict[int, ShadowNode] = {}
+        for ns, root in self._roots.items():
+            assert root.is_root and root.namespace == ns, "a namespace root is misfiled"
+            assert root.children, f"namespace {ns!r}: an empty root was kept"
         stack = list(self._roots.values())
         while stack:
             node = stack.pop()
@@ -492,8 +659,7 @@ class ShadowIndex:
                 assert child.full_lock_ref >= child.swa_lock_ref >= 0, (
                     f"lock counts broken: full {child.full_lock_ref}, swa {child.swa_lock_ref}"
                 )
-                if not child.children and not child.full_lock_ref:
-                    assert self._has_data(child), "a childless, unlocked node without data was kept"
+                assert not self._is_dead_leaf(child), "an unlocked leaf that can serve no hit was kept"
                 for rid in child.swa_receipts:
                     assert rid not in stamps, f"receipt {rid} stamped twice"
                     stamps[rid] = child
@@ -501,6 +667,7 @@ class ShadowIndex:
                     if page is None:
                         assert s in self.windows, f"whole-history space {s!r} has a tombstone"
                         continue
+                    assert page != NULL_PAGE, f"space {s!r}: the null page is in the index"
                     assert page not in referenced[s], f"space {s!r}: page {page} in the index twice"
                     referenced[s].add(page)
                     assert self.spaces[s].in_index[page], f"space {s!r}: page {page} not marked in index"
@@ -515,7 +682,7 @@ class ShadowIndex:
                 f"space {s!r}: ledger drift: evictable {self.evictable[s]} vs {evictable[s]}, "
                 f"protected {self.protected[s]} vs {protected[s]}"
             )
-            in_index = {p for p in range(space.num_pages) if space.in_index[p]}
+            in_index = {p for p in range(space.num_physical_pages) if space.in_index[p]}
             assert in_index == referenced[s], f"space {s!r}: index ledger differs from the tree"
         # Every live receipt's SWA boundary carries its stamp, and no stamp is orphaned.
         live_swa = {r.id: r.swa_boundary for r in self._live_receipts.values() if r.swa_held}
@@ -536,3 +703,29 @@ class ShadowIndex:
         for nd in self._nodes:
             assert nd.full_lock_ref == want_full.get(nd, 0), "full_lock_ref differs from the live receipts"
             assert nd.swa_lock_ref == want_swa.get(nd, 0), "swa_lock_ref differs from the live receipts"
+        self._check_queues()
+
+    def _check_queues(self) -> None:
+        """Eviction queues hold exactly the candidates, and tail counts match a recount."""
+        want_tail = {s: {} for s in self.windows}
+        for nd in self._nodes if self.windows else ():
+            assert nd.tail_point == self._is_tail_point(nd), "a node's tail-point flag is stale"
+            if not nd.tail_point:
+                continue
+            for s in self.windows:
+                up = nd
+                for _ in range(nd.depth - self.first_window_page(s, nd.depth)):
+                    want_tail[s][up] = want_tail[s].get(up, 0) + 1
+                    up = up.parent
+        unlocked = {nd for nd in self._nodes if nd.full_lock_ref == 0}
+        assert set(self._unlocked) == unlocked and len(self._unlocked) == len(unlocked), (
+            "the unlocked queue differs from the unlocked nodes"
+        )
+        for s in self.windows:
+            for nd in self._nodes:
+                assert nd.tail_refs[s] == want_tail[s].get(nd, 0), f"space {s!r}: tail count drift"
+            live = {nd for nd in self._nodes if nd.shadows[s] is not None and nd.swa_lock_ref == 0}
+            tails = {nd for nd in live if nd.tail_refs[s]}
+            assert set(self._tail[s]) == tails, f"space {s!r}: tail queue differs from the tail shadows"
+            assert set(self._idle[s]) == live - tails, f"space {s!r}: idle queue differs from the idle shadows"
+            assert len(self._idle[s]) + len(self._tail[s]) == self.evictable[s], f"space {s!r}: queues vs ledger"

@@ -3,6 +3,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Page 0 of every block space is reserved: never allocated, never written, all zeros. A request's
+# block table holds it for pages it never had or already released (out of its window), so a
+# padded or stale read yields zeros instead of another request's KV, and a write to it is a bug
+# that the runner's debug check (HYBRIDKV_DEBUG_CHECKS=1) catches.
+NULL_PAGE = 0
+
+
+def window_start(pos, window: int | None):
+    """The window rule, in one place: the query at position `pos` reads keys [window_start, pos].
+
+    Works on ints and on integer tensors. window None = the whole history is read."""
+    if window is None:
+        return pos * 0 if not isinstance(pos, int) else 0
+    start = pos - window + 1
+    return max(0, start) if isinstance(start, int) else start.clamp(min=0)
+
 
 @dataclass(frozen=True)
 class SpaceSpec:
@@ -41,6 +57,19 @@ class SpaceSpec:
 
     def bytes_per_page(self, page_size: int) -> int:
         return self.slots_per_page(page_size) * self.bytes_per_slot
+
+    def first_kept_page(self, num_computed: int, page_size: int) -> int:
+        """First page a request that computed num_computed tokens still reads in this space (the
+        next query sits at position num_computed). 0 for whole-history spaces."""
+        return window_start(num_computed, self.window) // page_size
+
+    def max_live_pages(self, chunk_tokens: int, page_size: int) -> int | None:
+        """Most pages of this windowed space one request holds at once while it computes chunks of
+        chunk_tokens: the window before the chunk (window - 1 tokens, which can straddle one
+        extra page boundary) plus the chunk. None for whole-history spaces (no bound)."""
+        if self.window is None:
+            return None
+        return -(-(self.window - 1 + chunk_tokens) // page_size) + 1
 
     @property
     def windowed(self) -> bool:

@@ -24,10 +24,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, PromptType
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.llm_engine import LLMEngine, PromptType
+from hybridkv.engine.outputs import RequestOutput
+from hybridkv.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -9,13 +9,16 @@ class EngineConfig:
     model: str | None = None  # HF checkpoint folder; None = the built-in demo model
     dtype: str = "auto"
     max_model_len: int | None = None
-    block_size: int = 16
+    # Tokens per KV page. None = the model's default page size (16 for dense models, 128 for
+    # DeepSeek-V4); an explicit value the model cannot use is an error, never silently changed.
+    block_size: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
     kv_cache_memory_bytes: int | None = None  # None = enough for max_num_seqs full-length sequences, capped at 2 GiB
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None = max(2048, max_model_len)
     allow_pickle_weights: bool = False
+    attention_backend: str = "torch_native"  # hybridkv.attention_backends.registry names
     chat_template: str | None = None
     scheduling_policy: str = "fcfs"  # fcfs | lpm | dfs-weight (engine/scheduling_policy.py)
     eviction_policy: str = "lru"  # lru | lfu | slru | priority (block_manager/eviction_policy.py)
@@ -23,7 +26,7 @@ class EngineConfig:
     windowed_match: bool = True
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
+        if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
@@ -32,3 +35,5 @@ class EngineConfig:
 
 
 DEFAULT_KV_CACHE_CAP_BYTES = 2 << 30
+# The page size of a model that declares none (dense models): block_size=None resolves to it.
+DEFAULT_BLOCK_SIZE = 16

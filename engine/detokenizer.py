@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from hybridkv.engine.sampling_params import SamplingParams
 
 _REPLACEMENT_CHAR = "\ufffd"
 # Visible prompt tokens decoded as left context of the first output token (vLLM uses 5 too):

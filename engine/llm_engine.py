@@ -8,20 +8,24 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import operator
+import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
-from block_manager.kv_cache_manager import KVCacheManager
-from engine.config import DEFAULT_KV_CACHE_CAP_BYTES, EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from engine.request import Request, RequestStatus
-from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from model_executor.checkpoint import load_generation_config
-from model_executor.model_runner import ModelRunner, RunnerOutput
-from model_executor.tokenizer import load_tokenizer
+import torch
+
+from hybridkv.block_manager.kv_cache_manager import KVCacheManager
+from hybridkv.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_CAP_BYTES, EngineConfig
+from hybridkv.engine.detokenizer import IncrementalDetokenizer
+from hybridkv.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from hybridkv.engine.request import Request, RequestStatus
+from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
+from hybridkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from hybridkv.model_executor.checkpoint import load_generation_config
+from hybridkv.model_executor.model_runner import ModelRunner, RunnerOutput
+from hybridkv.model_executor.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -44,17 +48,68 @@ class _Group:
     reported_finished: set[str] = field(default_factory=set)
 
 
+def is_token_array(value: Any) -> bool:
+    """A torch tensor or a numpy array (numpy is imported only if the caller already did:
+    an object cannot be an ndarray otherwise, and numpy is not a hard dependency)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(value, np.ndarray)
+
+
+def as_token_ids(value: Any) -> list[int]:
+    """Token ids as a list of Python ints, from a list, tuple, 1-D numpy array or 1-D tensor.
+
+    Everything downstream (prefix hashing, the index, detokenization) compares ids as Python
+    ints, so numpy/torch scalars are converted here, once. Floats and bools are refused rather
+    than truncated: they are almost always a mistake (logits, masks) that would decode as garbage.
+    """
+    if is_token_array(value):
+        if value.ndim != 1:
+            raise ValueError(
+                f"prompt token ids must be 1-D, got an array of shape {tuple(value.shape)} "
+                f"(pass one prompt per row as a list of prompts)"
+            )
+        kind = str(value.dtype)  # e.g. "int64", "torch.int32"; bool, float, complex, object are refused
+        if "int" not in kind:
+            raise ValueError(f"prompt token ids must be integers, got an array of dtype {kind}")
+        return [int(t) for t in value.tolist()]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(
+            f"prompt token ids must be a list, tuple, 1-D numpy array or tensor, got {type(value).__name__}"
+        )
+    ids = []
+    for t in value:
+        # bool is an int subclass (True == 1): refuse it explicitly; numpy/torch integer scalars
+        # implement __index__, floats do not, so operator.index is the exact integer test.
+        if isinstance(t, bool) or _is_bool_scalar(t):
+            raise ValueError(f"prompt token ids must be integers, got {t!r} (a bool)")
+        try:
+            ids.append(operator.index(t))
+        except TypeError:
+            raise ValueError(f"prompt token ids must be integers, got {t!r} ({type(t).__name__})") from None
+    return ids
+
+
+def _is_bool_scalar(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dtype == torch.bool
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(value, np.bool_)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         model_dir = config.model
         if model_dir is None:
-            from model_executor.demo_model import ensure_demo_model
+            from hybridkv.model_executor.demo_model import ensure_demo_model
 
             model_dir = ensure_demo_model()
         self.model_dir = model_dir
         self.runner = ModelRunner(
-            model_dir, config.dtype, config.max_model_len, config.seed, config.allow_pickle_weights
+            model_dir, config.dtype, config.max_model_len, config.seed, config.allow_pickle_weights,
+            attention_backend=config.attention_backend,
         )
         self.max_model_len = self.runner.max_model_len
         self.tokenizer = load_tokenizer(model_dir)
@@ -69,6 +124,8 @@ class LLMEngine:
         self.kv = KVCacheManager(
             specs, self._pages_per_space(specs, budget), self.block_size, config.enable_prefix_caching,
             config.eviction_policy, config.windowed_match,
+            max_pages_per_request=-(-self.max_model_len // self.block_size) + 1,
+            max_requests=min(config.max_num_seqs, 64),
         )
         short = self.kv.spaces_short_for(self.max_model_len, budget)
         if short:
@@ -83,7 +140,8 @@ class LLMEngine:
         )
         self._groups: dict[str, _Group] = {}
         self._request_to_group: dict[str, _Group] = {}
-        self._counter = itertools.count()
+        self._counter = itertools.count()  # request ids for callers that give none
+        self._sequence_counter = itertools.count()  # internal sequence ids (_new_sequence_id)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         logger.info(
             "engine ready: model=%s dtype=%s max_model_len=%d block_size=%d spaces=%s prefix_caching=%s",
@@ -92,24 +150,28 @@ class LLMEngine:
         )
 
     def _choose_block_size(self, specs) -> int:
-        """The page size: the user's, or the model's preferred one when the user left the default.
+        """The page size: the user's explicit block_size, or the model's default when it is None.
 
-        Page boundaries must be compression boundaries, so the page size must be a multiple
-        of every space's tokens_per_slot (DeepSeek-V4 prefers 128).
+        Page boundaries must be compression boundaries, so a page size must be a multiple of
+        every space's tokens_per_slot (their lcm). An explicit size that is not is an error
+        naming the sizes that work; it is never silently replaced (16 may be a deliberate choice).
         """
-        P = self.config.block_size
-        preferred = getattr(self.runner.model, "default_block_size", None)
-        default = next(f.default for f in fields(EngineConfig) if f.name == "block_size")
-        if preferred is not None and P == default and P != preferred:
-            logger.info("block_size %d -> %d (this model's default page size)", P, preferred)
-            P = preferred
         ratios = sorted({s.tokens_per_slot for s in specs})
-        if any(P % r for r in ratios):
-            lcm = math.lcm(*ratios)
+        step = math.lcm(*ratios)
+        # A model may declare its page size (DeepSeek-V4: 128). Otherwise 16, rounded up to a
+        # multiple of the ratios (dense models: ratio 1, so 16).
+        default = getattr(self.runner.model, "default_block_size", None) or -(-DEFAULT_BLOCK_SIZE // step) * step
+        if default % step:  # a model bug: its declared page size contradicts its own spaces
+            raise RuntimeError(f"the model's default page size {default} is not a multiple of {ratios}")
+        P = self.config.block_size
+        if P is None:
+            return default
+        if P % step:
+            valid = ", ".join(str(step * k) for k in range(1, 4))
             raise ValueError(
                 f"block_size {P} is not a multiple of this model's compression ratios {ratios}: page "
-                f"boundaries must be compression boundaries; use a multiple of {lcm}"
-                + (f" (this model's default is {preferred})" if preferred else "")
+                f"boundaries must be compression boundaries; use a multiple of {step} ({valid}, ...; "
+                f"this model's default is {default}) or leave block_size unset for the default"
             )
         return P
 
@@ -126,7 +188,8 @@ class LLMEngine:
         seqs = self.config.max_num_seqs
         whole = [s for s in specs if not s.windowed]
         windowed = [s for s in specs if s.windowed]
-        cap = {s.name: seqs * (-(-(s.window - 1) // P) + 2) + -(-max_chunk_tokens // P) for s in windowed}
+        # Each running sequence holds its window plus the page it is computing; one step's chunk more.
+        cap = {s.name: seqs * s.max_live_pages(P, P) + -(-max_chunk_tokens // P) for s in windowed}
         whole_bpp = sum(s.bytes_per_page(P) for s in whole)
 
         def cost(n: int) -> int:
@@ -151,20 +214,24 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text or None, token ids as a list of Python ints). Token ids may be a list, a tuple,
+        a 1-D numpy array or a 1-D torch tensor of integers, bare or as a dict's prompt_token_ids."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty; pass a non-empty string or token ids")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                ids = list(prompt["prompt_token_ids"])
-                return prompt.get("prompt"), ids
+                return prompt.get("prompt"), as_token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self.tokenize_prompt(prompt["prompt"])
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
-        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if isinstance(prompt, (list, tuple)) or is_token_array(prompt):
+            return None, as_token_ids(prompt)
+        raise ValueError(
+            f"prompt must be a string, token ids (list, tuple, 1-D numpy array or tensor) or a dict, "
+            f"got {type(prompt).__name__}"
+        )
 
     def add_request(
         self,
@@ -175,7 +242,10 @@ class LLMEngine:
         priority: int = 0,
     ) -> str:
         params = params or SamplingParams()
-        request_id = request_id if request_id is not None else str(next(self._counter))
+        if request_id is None:
+            request_id = str(next(self._counter))
+            while request_id in self._groups:  # a caller chose this number as its own id
+                request_id = str(next(self._counter))
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
@@ -195,7 +265,7 @@ class LLMEngine:
             child_params.all_stop_token_ids = set(params.stop_token_ids) | (
                 set() if params.ignore_eos else self.eos_token_ids
             )
-            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            child_id = self._new_sequence_id(request_id, i)
             req = Request(child_id, ids, child_params, max_tokens, namespace=cache_salt, priority=priority)
             req.index = i
             children.append(req)
@@ -207,6 +277,23 @@ class LLMEngine:
             self.scheduler.add(req)
         self.stats["prompt_tokens"] += len(ids)
         return request_id
+
+    def _new_sequence_id(self, request_id: str, index: int) -> str:
+        """The internal id of one sequence (one of a request's n samples).
+
+        The scheduler, the KV manager and the runner key their state by it. It is unique for
+        the engine's lifetime whatever ids users choose: the part after the last "@" is a
+        private counter (digits only, so that "@" always delimits it), and no two sequences get
+        the same counter. The user's id and the sample index are kept in front only to make
+        logs readable; outputs and abort_request use the user's request_id.
+        """
+        return f"{request_id}#{index}@{next(self._sequence_counter)}"
+
+    def sequence_ids(self, request_id: str) -> list[str]:
+        """The internal ids of a request's sequences while it is in flight (debug/test hooks
+        such as runner.captured_logits key by them)."""
+        group = self._groups.get(request_id)
+        return [r.request_id for r in group.children] if group is not None else []
 
     def _validate_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -241,7 +328,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
-        result = self.runner.execute(sched)
+        result = self.runner.execute(sched.model_input())
         self.scheduler.update_after_step(sched)
         self.stats["steps"] += 1
         touched = self._process(sched, result)

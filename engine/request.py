@@ -8,8 +8,8 @@ from typing import Hashable
 
 import torch
 
-from engine.outputs import PositionLogprobs
-from engine.sampling_params import SamplingParams
+from hybridkv.engine.outputs import PositionLogprobs
+from hybridkv.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -14,9 +14,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from block_manager.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.scheduling_policy import SchedulingPolicy
+from hybridkv.block_manager.kv_cache_manager import KVCacheManager
+from hybridkv.engine.request import Request, RequestStatus
+from hybridkv.engine.scheduling_policy import SchedulingPolicy
+from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
 
 
 @dataclass
@@ -33,16 +34,21 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
-@dataclass
-class ScheduledRequest:
-    request: Request
-    start: int  # first position computed this step (= num_computed_tokens before the step)
-    num_new_tokens: int
-    samples: bool  # the chunk reaches the last known token: sample the next one
+@dataclass(eq=False)
+class ScheduledRequest(ScheduledSequence):
+    """One request's work in a step: the executor's ScheduledSequence (what the runner reads),
+    plus the engine's Request it came from. The scheduler builds it once; the step's ModelInput
+    is the scheduled list itself, with no per-request conversion."""
 
-    @property
-    def end(self) -> int:
-        return self.start + self.num_new_tokens
+    request: Request
+
+    @classmethod
+    def of(cls, req: Request, start: int, n: int) -> "ScheduledRequest":
+        toks = req.all_token_ids
+        return cls(
+            req.request_id, toks[start : start + n], start, start + n == len(toks), req.params, req.generator,
+            req.prompt_token_ids, req.output_token_ids, req,
+        )
 
 
 @dataclass
@@ -57,6 +63,10 @@ class SchedulerOutput:
     @property
     def empty(self) -> bool:
         return not self.scheduled
+
+    def model_input(self) -> ModelInput:
+        """The runner's view of the step: the scheduled sequences themselves (executor-side type)."""
+        return ModelInput(self.scheduled)
 
 
 class Scheduler:
@@ -89,17 +99,19 @@ class Scheduler:
         now = time.monotonic()
 
         i = 0
+        allocate, scheduled = self.kv.allocate, out.scheduled  # hot loop: one pass per running request
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+            start, total = req.num_computed_tokens, len(req.all_token_ids)
+            n = min(total - start, budget)
+            while not allocate(req.request_id, start + n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n, req.num_computed_tokens + n == req.num_tokens))
+                scheduled.append(ScheduledRequest.of(req, start, n))
                 budget -= n
                 i += 1
                 continue
@@ -121,10 +133,14 @@ class Scheduler:
     def _admit(self, req: Request, budget: int, now: float, out: SchedulerOutput) -> bool:
         hit = None
         if not req.wants_prompt_logprobs:  # cached tokens have no logits to report
-            hit = self.kv.match_prefix(req.all_token_ids, req.namespace)
+            # touch=False: a request that cannot be admitted yet must not bump hit counts on
+            # every retry; allocate(touch_hit=True) counts the hit once, when it is admitted.
+            hit = self.kv.match_prefix(req.all_token_ids, req.namespace, touch=False)
             req.num_computed_tokens = hit.num_tokens
         n = min(req.num_tokens - req.num_computed_tokens, budget)
-        if not self.kv.allocate(req.request_id, req.num_computed_tokens + n, hit, req.namespace, req.priority):
+        if not self.kv.allocate(
+            req.request_id, req.num_computed_tokens + n, hit, req.namespace, req.priority, touch_hit=True
+        ):
             req.num_computed_tokens = 0
             return False
         self.waiting.remove(req)
@@ -136,13 +152,12 @@ class Scheduler:
             req.first_scheduled_time = now
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n, req.num_computed_tokens + n == req.num_tokens))
+        out.scheduled.append(ScheduledRequest.of(req, req.num_computed_tokens, n))
         return True
 
     def _preempt(self, req: Request) -> None:
         # Computed whole pages go to the prefix cache first, so the resume is mostly a hit.
-        self.kv.cache_computed_pages(req.request_id, req.all_token_ids, req.num_computed_tokens)
-        self.kv.free(req.request_id)
+        self.kv.retire(req.request_id, req.all_token_ids, req.num_computed_tokens, turn_done=False)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
@@ -152,24 +167,24 @@ class Scheduler:
     # -- after the forward -------------------------------------------------------------------------
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance computed counts and publish newly completed pages to the prefix cache."""
+        commit = self.kv.commit
         for s in out.scheduled:
             req = s.request
-            req.num_computed_tokens = s.end
-            self.kv.cache_computed_pages(req.request_id, req.all_token_ids, req.num_computed_tokens)
-            if req.num_computed_tokens == req.num_prompt_tokens and not req.output_token_ids:
-                self.kv.mark_boundary(req.request_id)  # the prompt's end: its siblings/retries match here
-            self.kv.release_out_of_window(req.request_id, req.num_computed_tokens)
+            end = req.num_computed_tokens = s.start + s.num_new_tokens
+            # The prompt's end is marked as a likely match point: its siblings/retries match there.
+            prompt_done = not req.output_token_ids and end == len(req.prompt_token_ids)
+            commit(req.request_id, req.all_token_ids, end, prompt_done)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Retire a request (finished or aborted) and release its pages."""
         req.status = status
         if req in self.running:
             self.running.remove(req)
-            self.kv.cache_computed_pages(req.request_id, req.all_token_ids, req.num_computed_tokens)
-            self.kv.mark_boundary(req.request_id)  # the turn's end: the next turn matches here
-        else:
-            try:
-                self.waiting.remove(req)
-            except ValueError:
-                pass
+            # The turn's end is marked: the next turn of the conversation matches there.
+            self.kv.retire(req.request_id, req.all_token_ids, req.num_computed_tokens, turn_done=True)
+            return
+        try:
+            self.waiting.remove(req)
+        except ValueError:
+            pass
         self.kv.free(req.request_id)

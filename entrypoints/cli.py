@@ -6,17 +6,53 @@ import logging
 import sys
 
 
+# LLM(...) keywords deliberately kept off the command line. Every other keyword has a flag
+# (tests/entrypoints/test_cli_flags.py checks it). allow_pickle_weights: loading pickled (.bin)
+# weights can run arbitrary code, so a command line (often copied from elsewhere) never enables it;
+# call LLM(..., allow_pickle_weights=True) from Python when the checkpoint is trusted.
+CLI_EXCLUDED_LLM_KWARGS = frozenset({"allow_pickle_weights"})
+
+DEFAULT_ATTENTION_BACKEND = "torch_native"
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from hybridkv.block_manager.eviction_policy import POLICIES as EVICTION_POLICIES
+    from hybridkv.engine.scheduling_policy import POLICIES as SCHEDULING_POLICIES
+
     p.add_argument("--model", default=None, help="HF checkpoint folder (default: built-in SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV page (default: the model's page size, 16 for dense models, 128 for DeepSeek-V4)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--chat-template", default=None, help="Jinja chat template (a file path or the template text)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
+                   help="order of waiting requests: fcfs, or cache-aware lpm / dfs-weight (default: fcfs)")
+    p.add_argument("--eviction-policy", default="lru", choices=list(EVICTION_POLICIES),
+                   help="which cached prefix pages are evicted first (default: lru)")
+    p.add_argument("--windowed-match", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep matching a cached prefix after some of its sliding-window pages are gone "
+                        "(--no-windowed-match: the baseline that drops such a prefix)")
+    p.add_argument("--attention-backend", default=DEFAULT_ATTENTION_BACKEND,
+                   help=f"attention backend by registry name (default: {DEFAULT_ATTENTION_BACKEND})")
+
+
+def _engine_accepts(name: str) -> bool:
+    """Whether both LLM(...) and EngineConfig take keyword `name` (generate builds an LLM,
+    serve an EngineConfig), so a flag can be added before every engine option exists."""
+    import dataclasses
+    import inspect
+
+    from hybridkv.engine.config import EngineConfig
+    from hybridkv.entrypoints.llm import LLM
+
+    return name in inspect.signature(LLM.__init__).parameters and name in {
+        f.name for f in dataclasses.fields(EngineConfig)
+    }
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -27,7 +63,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         if os.path.isfile(template):
             with open(template, encoding="utf-8") as f:
                 template = f.read()
-    return dict(
+    kwargs = dict(
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
@@ -37,11 +73,21 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         chat_template=template,
+        scheduling_policy=args.scheduling_policy,
+        eviction_policy=args.eviction_policy,
+        windowed_match=args.windowed_match,
     )
+    if _engine_accepts("attention_backend"):
+        kwargs["attention_backend"] = args.attention_backend
+    elif args.attention_backend != DEFAULT_ATTENTION_BACKEND:
+        raise ValueError(
+            f"--attention-backend {args.attention_backend!r}: this build has only {DEFAULT_ATTENTION_BACKEND!r}"
+        )
+    return kwargs
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from entrypoints import LLM, SamplingParams
+    from hybridkv.entrypoints import LLM, SamplingParams
 
     llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(
@@ -61,9 +107,9 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import os
 
-    from engine.async_llm_engine import AsyncLLMEngine
-    from engine.config import EngineConfig
-    from entrypoints.openai.api_server import API_KEY_ENV, ServerSettings, default_model_name, serve
+    from hybridkv.engine.async_llm_engine import AsyncLLMEngine
+    from hybridkv.engine.config import EngineConfig
+    from hybridkv.entrypoints.openai.api_server import API_KEY_ENV, ServerSettings, default_model_name, serve
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")

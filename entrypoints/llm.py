@@ -5,11 +5,11 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, PromptType
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from model_executor.tokenizer import apply_chat_template
+from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.llm_engine import LLMEngine, PromptType, is_token_array
+from hybridkv.engine.outputs import RequestOutput
+from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.model_executor.tokenizer import apply_chat_template
 
 
 class LLM:
@@ -17,6 +17,10 @@ class LLM:
 
     >>> llm = LLM()                                    # SmolLM2-135M-Instruct, converted once
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
+
+    block_size: tokens per KV page; None (the default) takes the model's default page size (16
+    for dense models, 128 for DeepSeek-V4). An explicit size the model cannot use (not a multiple
+    of its compression ratios) raises ValueError naming the sizes it can use.
     """
 
     def __init__(
@@ -25,7 +29,7 @@ class LLM:
         *,
         dtype: str = "auto",
         max_model_len: int | None = None,
-        block_size: int = 16,
+        block_size: int | None = None,
         enable_prefix_caching: bool = True,
         seed: int = 0,
         kv_cache_memory_bytes: int | None = None,
@@ -36,6 +40,7 @@ class LLM:
         scheduling_policy: str = "fcfs",
         eviction_policy: str = "lru",
         windowed_match: bool = True,
+        attention_backend: str = "torch_native",
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -53,6 +58,7 @@ class LLM:
                 scheduling_policy=scheduling_policy,
                 eviction_policy=eviction_policy,
                 windowed_match=windowed_match,
+                attention_backend=attention_backend,
             )
         )
 
@@ -73,9 +79,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """priority: one int per prompt; with eviction_policy="priority", the prefix-cache pages
         of higher-priority requests are evicted last."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
-        ):
+        if isinstance(prompts, (str, dict)) or _is_one_token_id_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
         if not prompts:
@@ -149,3 +153,10 @@ class LLM:
 
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()
+
+
+def _is_one_token_id_prompt(prompts: Any) -> bool:
+    """One prompt given as token ids (a list/tuple of ints, or a 1-D array/tensor), not a list of prompts."""
+    if is_token_array(prompts):
+        return prompts.ndim == 1
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], int)

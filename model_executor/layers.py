@@ -1,8 +1,13 @@
 """Building blocks shared by the decoder models: norms, rotary embedding, fused linears."""
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -102,16 +107,45 @@ class SiluAndMulMLP(nn.Module):
 # bfloat16 (about 0.5 GB/s of weights read on the machines we measured, against 16 GB/s for
 # oneDNN with a weight reordered into its blocked layout once). Decode is exactly that case,
 # so every Linear of a loaded model gets a oneDNN-packed copy of its weight and calls the
-# packed kernel; the numerics are oneDNN's, as F.linear's already are in bfloat16.
+# packed kernel where the CPU supports it for the weight's dtype (`packing_supported` decides);
+# elsewhere the weight stays plain. The numerics are oneDNN's, as F.linear's already are in bfloat16.
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
+    """THE decision: does `weight` take the oneDNN-prepacked path, or plain F.linear?
+
+    Every caller (pack_linear_weights, a model's own pack_weights, e.g. Llama's logits matrix)
+    asks this one function. Prepacking needs a CPU weight, a dtype oneDNN packs (float32,
+    bfloat16), and a CPU whose ISA oneDNN's packed kernels support for that dtype: bfloat16
+    packing needs AVX-512 (bw/vl/dq) or AVX-NE-CONVERT, so on an AVX2-only CPU (e.g. AMD Zen 3)
+    it raises at load time. Those CPUs keep the plain path, which is slower but correct.
+    """
     return (
         weight.device.type == "cpu"
         and weight.dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and cpu_supports_prepack(weight.dtype)
     )
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_supports_prepack(dtype: torch.dtype) -> bool:
+    """Whether this CPU can prepack (and run) a oneDNN linear weight of `dtype`; probed once per dtype.
+
+    torch exposes no public per-dtype ISA query for oneDNN's packed linear (the requirement is
+    checked inside the op, against the CPU's feature flags), so a tiny pack + matmul is the
+    ground truth; the result is cached, so the probe costs microseconds once per process.
+    Tests monkeypatch this function to pretend the CPU lacks support.
+    """
+    try:
+        weight = torch.zeros(8, 8, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=dtype), packed, None, "none", [], "")
+    except RuntimeError as e:
+        logger.debug("oneDNN cannot prepack %s linear weights on this CPU: %s", dtype, e)
+        return False
+    return True
 
 
 class PackedLinearWeight:
@@ -129,15 +163,30 @@ class PackedLinearWeight:
 
 
 def pack_linear_weights(model: nn.Module) -> int:
-    """Route every nn.Linear of `model` through a prepacked weight. Returns how many were packed.
+    """Route every nn.Linear of `model` through a prepacked weight where `packing_supported`
+    says so; the others keep plain F.linear. Returns how many were packed, and logs which path
+    each weight dtype took (so a slow bfloat16 decode on an AVX2-only CPU is explained in the log).
 
     Call after the weights are loaded and cast; the parameters stay in place (state_dict and
     introspection keep working), the packed copy is what forward reads.
     """
-    count = 0
+    packed_by_dtype: dict[torch.dtype, int] = {}
+    plain_by_dtype: dict[torch.dtype, int] = {}
     for module in model.modules():
-        if isinstance(module, nn.Linear) and packing_supported(module.weight):
-            packed = PackedLinearWeight(module.weight, module.bias)
-            module.forward = packed  # instance attribute shadows nn.Linear.forward
-            count += 1
-    return count
+        if not isinstance(module, nn.Linear):
+            continue
+        dtype = module.weight.dtype
+        if packing_supported(module.weight):
+            module.forward = PackedLinearWeight(module.weight, module.bias)  # instance attribute shadows nn.Linear.forward
+            packed_by_dtype[dtype] = packed_by_dtype.get(dtype, 0) + 1
+        else:
+            plain_by_dtype[dtype] = plain_by_dtype.get(dtype, 0) + 1
+    capability = torch.backends.cpu.get_cpu_capability()
+    for dtype, n in packed_by_dtype.items():
+        logger.info("linear weights: %d %s layer(s) prepacked for oneDNN (CPU capability %s)", n, dtype, capability)
+    for dtype, n in plain_by_dtype.items():
+        logger.info(
+            "linear weights: %d %s layer(s) use plain F.linear (oneDNN prepacking is not available for "
+            "this dtype on this CPU, capability %s)", n, dtype, capability,
+        )
+    return sum(packed_by_dtype.values())

@@ -1,28 +1,36 @@
 """ModelRunner: scheduled batch -> tensors -> forward -> sampled tokens.
 
-It owns the model, the physical KV tensors of every block space and the sampler. The
-engine gives it a SchedulerOutput and the page tables; it never decides what runs.
+It owns the model, the physical KV tensors of every block space and the sampler. The engine
+gives it a ModelInput (model_executor/batch.py) and the KV cache manager's block tables; it never
+decides what runs, and it never imports engine.
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from attention_backends.metadata import StepSequences, build_attention_metadata
-from attention_backends.torch_native import TorchNativeAttention
-from block_manager.kv_cache_manager import KVCacheManager
-from block_manager.space_spec import SpaceSpec
-from engine.scheduler import ScheduledRequest, SchedulerOutput
-from model_executor.checkpoint import iter_weights, load_config, resolve_dtype
-from model_executor.layers import pack_linear_weights
-from model_executor.models.base import CausalLM
-from model_executor.models.registry import resolve_model_class
-from model_executor.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+from hybridkv.attention_backends.metadata import StepSequences
+from hybridkv.attention_backends.registry import get_attention_backend
+from hybridkv.block_manager.kv_cache_manager import KVCacheManager
+from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
+from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
+from hybridkv.model_executor.checkpoint import iter_weights, load_config, resolve_dtype
+from hybridkv.model_executor.models.base import CausalLM
+from hybridkv.model_executor.models.registry import resolve_model_class
+from hybridkv.model_executor.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
+
+
+def debug_checks_enabled() -> bool:
+    """HYBRIDKV_DEBUG_CHECKS=1 turns on the runner's per-step assertions (null-page writes)."""
+    return os.environ.get("HYBRIDKV_DEBUG_CHECKS", "0") not in ("", "0")
 
 
 @dataclass
@@ -47,7 +55,10 @@ class ModelRunner:
         max_model_len: int | None = None,
         seed: int = 0,
         allow_pickle_weights: bool = False,
+        attention_backend: str = "torch_native",
+        device: torch.device | str = "cpu",
     ) -> None:
+        self.device = torch.device(device)
         self.config = load_config(model_dir)
         self.dtype = resolve_dtype(dtype, self.config)
         model_max = getattr(self.config, "max_position_embeddings", None) or 2048
@@ -58,35 +69,31 @@ class ModelRunner:
                 f"max_model_len {max_model_len} is longer than the model's max_position_embeddings {model_max}"
             )
         self.max_model_len = max_model_len
+        # Resolved before the (slow) load so a typo fails fast, listing the choices.
+        self.backend = get_attention_backend(attention_backend)
         cls = resolve_model_class(self.config)
         t0 = time.perf_counter()
-        with torch.device("cpu"):
+        with self.device:
             model: CausalLM = cls(self.config, max_positions=max_model_len)
         model.load_weights(iter_weights(model_dir, allow_pickle=allow_pickle_weights))
-        # Only parameters take the model dtype; RoPE tables stay float32 and are cast per use,
-        # as transformers does. A model that keeps some tensors in float32 casts itself.
-        if hasattr(model, "cast_to"):
-            model.cast_to(self.dtype)
-        else:
-            for p in model.parameters():
-                p.data = p.data.to(self.dtype)
+        model.cast_to(self.dtype)
         self.model = model.eval()
-        if self.model_packing_wanted():
-            pack = getattr(self.model, "pack_weights", None)
-            pack() if pack is not None else pack_linear_weights(self.model)
-        logger.info("loaded %s (%s) in %.1fs", model_dir, self.dtype, time.perf_counter() - t0)
-        self.backend = TorchNativeAttention()
+        if self.device.type == "cpu" and self.model_packing_wanted():
+            self.model.pack_weights()
+        logger.info("loaded %s (%s, %s) in %.1fs", model_dir, self.dtype, self.device, time.perf_counter() - t0)
         self.sampler = Sampler(torch.Generator().manual_seed(seed))
         self.kv: KVCacheManager | None = None
         self.windows: dict[str, int | None] = {}
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        # Assert every step that no new token is written into a space's null page (tests set
+        # this attribute directly; HYBRIDKV_DEBUG_CHECKS=1 sets it for a whole run).
+        self.debug_checks = debug_checks_enabled()
         # Debug/parity hook: when a dict, the logits of every computed position are appended
         # per request id (tests compare them to transformers).
         self.captured_logits: dict[str, list[torch.Tensor]] | None = None
 
     @staticmethod
     def model_packing_wanted() -> bool:
-        import os
-
         # HYBRIDKV_PACK_WEIGHTS=0 keeps plain F.linear (for comparing numerics or speed).
         return os.environ.get("HYBRIDKV_PACK_WEIGHTS", "1") != "0"
 
@@ -95,65 +102,54 @@ class ModelRunner:
         return self.model.space_specs(self.dtype)
 
     def bind_kv_cache(self, kv: KVCacheManager) -> None:
-        """Allocate each space's physical tensors and hand every attention layer its slice."""
+        """Allocate each space's physical tensors (the model's hook) and bind them to its layers."""
         self.kv = kv
-        if hasattr(self.model, "allocate_kv_cache"):
-            # Models with their own cache layout (e.g. DeepSeek-V4's five spaces) bind it themselves.
-            self.model.allocate_kv_cache(kv)
-            self.windows = {name: spec.window for name, spec in kv.specs.items()}
-            return
-        layers = self.model.attention_layers()
-        per_space: dict[str, list] = {}
-        for attn in layers:
-            per_space.setdefault(attn.space, []).append(attn)
-        for name, attns in per_space.items():
-            slots = kv.spaces[name].num_pages * kv.page_size
-            a = attns[0]
-            # Zero-filled: masked-out padding slots are still read and must be finite.
-            # Head-major [Hkv, slots, D]: a gather of any slots yields one contiguous block per
-            # KV head, the layout the attention matmuls read fastest.
-            cache = torch.zeros(len(attns), 2, a.num_kv_heads, slots, a.head_dim, dtype=self.dtype)
-            for i, attn in enumerate(attns):
-                attn.k_cache, attn.v_cache = cache[i, 0], cache[i, 1]
-                attn.backend = self.backend
-            self.windows[name] = kv.specs[name].window
+        self.windows = {name: spec.window for name, spec in kv.specs.items()}
+        self.kv_caches = self.model.allocate_kv_cache(kv, self.backend, self.dtype, self.device)
 
     # -- one step ------------------------------------------------------------------------------
+    def step_sequences(self, items: list[ScheduledSequence]) -> StepSequences:
+        """Lengths of the step's sequences and their block-table rows: one index_select per space."""
+        kv = self.kv
+        ctx = [s.end for s in items]
+        rows = torch.tensor([kv.row_of(s.request_id) for s in items], dtype=torch.long)
+        pages = -(-max(ctx) // kv.page_size)  # no space needs more pages than a raw-token one
+        tables = {}
+        for name in self.windows:
+            bt = kv.block_tables[name]
+            tables[name] = bt.rows(rows, min(pages, bt.width))
+        return StepSequences([s.num_new_tokens for s in items], ctx, tables)
+
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def execute(self, batch: ModelInput) -> RunnerOutput:
         # One-token chunks first: they form the batched decode group of the backend.
-        items = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
-        ids: list[int] = []
-        positions: list[int] = []
-        for s in items:
-            ids.extend(s.request.all_token_ids[s.start : s.end])
-            positions.extend(range(s.start, s.end))
-        seqs = StepSequences(
-            query_lens=[s.num_new_tokens for s in items],
-            context_lens=[s.end for s in items],
-            page_tables={
-                name: [self.kv.page_table(s.request.request_id, name) for s in items] for name in self.windows
-            },
-        )
-        if hasattr(self.model, "build_attention_metadata"):
-            meta = self.model.build_attention_metadata(seqs, self.kv.page_size)
-        else:
-            meta = build_attention_metadata(seqs, self.windows, self.kv.page_size)
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta)
+        items = sorted(batch.sequences, key=lambda s: s.num_new_tokens != 1)
+        seqs = self.step_sequences(items)
+        meta = self.model.build_attention_metadata(seqs, self.windows, self.kv.page_size)
+        if self.debug_checks:
+            self.check_no_null_page_writes(meta)
+        q_lens = torch.tensor(seqs.query_lens)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(items)), q_lens)
+        # position of token j of sequence i = start_i + j
+        offset = torch.tensor([s.start for s in items]) - (torch.cumsum(q_lens, 0) - q_lens)
+        positions = torch.arange(seq_of_token.shape[0]) + offset[seq_of_token]
+        ids = torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in items)), dtype=torch.long)
+        if self.device.type != "cpu":
+            meta, ids, positions = _to_device(meta, self.device), ids.to(self.device), positions.to(self.device)
+        hidden = self.model(ids, positions, meta)
 
         if self.captured_logits is not None:
-            all_logits = self.model.compute_logits(hidden).float()
+            all_logits = self.model.compute_logits(hidden).float().cpu()
             row = 0
             for s in items:
-                self.captured_logits.setdefault(s.request.request_id, []).append(all_logits[row : row + s.num_new_tokens])
+                self.captured_logits.setdefault(s.request_id, []).append(all_logits[row : row + s.num_new_tokens])
                 row += s.num_new_tokens
 
         out = RunnerOutput()
         rows, sampling = [], []
         row = 0
         for s in items:
-            req = s.request
-            if req.wants_prompt_logprobs and s.start < req.num_prompt_tokens:
+            if s.wants_prompt_logprobs:
                 self._prompt_logprobs(s, hidden[row : row + s.num_new_tokens], out)
             if s.samples:
                 rows.append(row + s.num_new_tokens - 1)
@@ -161,30 +157,62 @@ class ModelRunner:
             row += s.num_new_tokens
         if not sampling:
             return out
-        logits = self.model.compute_logits(hidden[rows]).float()
-        batch = SamplingBatch(
-            params=[s.request.params for s in sampling],
-            generators=[s.request.generator for s in sampling],
-            prompt_token_ids=[s.request.prompt_token_ids for s in sampling],
-            output_token_ids=[s.request.output_token_ids for s in sampling],
+        # The sampler works on the host (per-request torch.Generators are CPU generators).
+        logits = self.model.compute_logits(hidden[rows]).float().cpu()
+        res = self.sampler(
+            logits,
+            SamplingBatch(
+                params=[s.params for s in sampling],
+                generators=[s.generator for s in sampling],
+                prompt_token_ids=[s.prompt_token_ids for s in sampling],
+                output_token_ids=[s.output_token_ids for s in sampling],
+            ),
         )
-        res = self.sampler(logits, batch)
         for i, s in enumerate(sampling):
-            out.sampled[s.request.request_id] = SampledToken(
+            out.sampled[s.request_id] = SampledToken(
                 res.token_ids[i],
                 None if res.sampled_logprobs is None else res.sampled_logprobs[i],
                 res.top_logprobs[i],
             )
         return out
 
-    def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor, out: RunnerOutput) -> None:
-        req = s.request
+    def check_no_null_page_writes(self, meta) -> None:
+        """Debug check: the null page (page NULL_PAGE, slots [0, slots_per_page) of a space) is
+        never written. A write there means a block table holds NULL_PAGE where the request
+        should own a page (e.g. an off-by-one in window release): fail loudly, naming the space."""
+        P = self.kv.page_size
+        for space, slots in meta.slot_mappings().items():
+            per_page = self.kv.specs[space].slots_per_page(P)
+            lo, hi = NULL_PAGE * per_page, (NULL_PAGE + 1) * per_page
+            bad = slots[(slots >= lo) & (slots < hi)]
+            if bad.numel():
+                raise AssertionError(
+                    f"this step writes into the null page of space {space!r} (slots {bad.tolist()[:8]}): "
+                    f"a block table holds NULL_PAGE where a running request should own a page"
+                )
+
+    def _prompt_logprobs(self, s: ScheduledSequence, hidden: torch.Tensor, out: RunnerOutput) -> None:
         # Row p predicts prompt token p+1; the last prompt position predicts the first output.
-        last = min(s.end, req.num_prompt_tokens - 1)
+        last = min(s.end, s.num_prompt_tokens - 1)
         n = last - s.start
         if n <= 0:
             return
-        logits = self.model.compute_logits(hidden[:n]).float()
-        targets = torch.tensor(req.prompt_token_ids[s.start + 1 : last + 1])
-        entries = compute_prompt_logprobs(logits, targets, req.params.prompt_logprobs)
-        out.prompt_logprobs[req.request_id] = (s.start + 1, entries)
+        logits = self.model.compute_logits(hidden[:n]).float().cpu()
+        targets = torch.tensor(s.prompt_token_ids[s.start + 1 : last + 1])
+        entries = compute_prompt_logprobs(logits, targets, s.params.prompt_logprobs)
+        out.prompt_logprobs[s.request_id] = (s.start + 1, entries)
+
+
+def _to_device(obj, device: torch.device):
+    """Metadata is built on the host; move every tensor in it (dataclasses, lists, dicts)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(
+            obj, **{f.name: _to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init}
+        )
+    if isinstance(obj, list):
+        return [_to_device(x, device) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj

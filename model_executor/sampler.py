@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from hybridkv.model_executor.sampling_params import SamplingParams
 
 # (token_id, logprob, rank); rank = 1 + number of tokens with a strictly greater logprob.
 TokenLogprob = tuple[int, float, int]

@@ -24,7 +24,7 @@ def tiny_ckpt(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _engines_end_idle(monkeypatch):
     """Invariant checked after every test: each engine it built holds no page; all pages are free or cached."""
-    from engine.llm_engine import LLMEngine
+    from hybridkv.engine.llm_engine import LLMEngine
 
     built: list[LLMEngine] = []
     original = LLMEngine.__init__

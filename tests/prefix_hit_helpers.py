@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from entrypoints import LLM, SamplingParams
+from hybridkv.entrypoints import LLM, SamplingParams
 
 LOGPROB_ATOL = 1e-4
 
@@ -29,8 +29,7 @@ def tombstone_outside_tails(llm: LLM) -> int:
     index = llm.engine.kv.index
     dropped = 0
     for space in index.windows:
-        tails = index._tails(space)
-        n = sum(1 for nd in index.nodes() if nd.shadows[space] is not None and nd.swa_lock_ref == 0 and nd not in tails)
+        n = sum(1 for nd in index.nodes() if nd.shadows[space] is not None and nd.swa_lock_ref == 0 and not nd.tail_refs[space])
         if n:
             dropped += index.evict(space, n)
     index.check_invariants()

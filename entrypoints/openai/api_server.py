@@ -34,15 +34,15 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
-from entrypoints.openai.errors import OpenAIError, bad_request, not_found
-from entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from entrypoints.openai.metrics import ServerMetrics
-from entrypoints.openai.serving_base import ServingContext
-from entrypoints.openai.serving_chat import ChatServing
-from entrypoints.openai.serving_completion import CompletionServing
-from entrypoints.openai.serving_tokenization import TokenizationServing
-from model_executor.tokenizer import load_tokenizer
+from hybridkv.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
+from hybridkv.entrypoints.openai.errors import OpenAIError, bad_request, not_found
+from hybridkv.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from hybridkv.entrypoints.openai.metrics import ServerMetrics
+from hybridkv.entrypoints.openai.serving_base import ServingContext
+from hybridkv.entrypoints.openai.serving_chat import ChatServing
+from hybridkv.entrypoints.openai.serving_completion import CompletionServing
+from hybridkv.entrypoints.openai.serving_tokenization import TokenizationServing
+from hybridkv.model_executor.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.async_llm_engine import EngineSnapshot
-from engine.outputs import RequestOutput
+from hybridkv.engine.async_llm_engine import EngineSnapshot
+from hybridkv.engine.outputs import RequestOutput
 
 PREFIX = "hybridkv:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from engine.sampling_params import RequestOutputKind, SamplingParams
-from entrypoints.openai.errors import OpenAIError, bad_request
+from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
+from hybridkv.entrypoints.openai.errors import OpenAIError, bad_request
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_N = 128  # bounds the sequences one request can add (memory/DoS guard)

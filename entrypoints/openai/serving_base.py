@@ -9,11 +9,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, GenerateRequest, RequestStream
-from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from engine.sampling_params import SamplingParams
-from entrypoints.openai.errors import OpenAIError, bad_request, not_found
-from entrypoints.openai.metrics import RequestTracker, ServerMetrics
+from hybridkv.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, GenerateRequest, RequestStream
+from hybridkv.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.entrypoints.openai.errors import OpenAIError, bad_request, not_found
+from hybridkv.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 
 # JSON has no -inf; a token with zero probability reports this (vLLM's clamp).
 LOGPROB_FLOOR = -9999.0

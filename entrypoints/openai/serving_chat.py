@@ -5,12 +5,12 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.outputs import Logprob, PositionLogprobs
-from entrypoints.openai.errors import bad_request
-from entrypoints.openai.protocol import ChatCompletionRequest
-from entrypoints.openai.serving_base import Generation, PromptInput, ServingContext, finite_logprob, send_stream
-from entrypoints.openai.sse import SSEStream, dumps
-from model_executor.tokenizer import apply_chat_template
+from hybridkv.engine.outputs import Logprob, PositionLogprobs
+from hybridkv.entrypoints.openai.errors import bad_request
+from hybridkv.entrypoints.openai.protocol import ChatCompletionRequest
+from hybridkv.entrypoints.openai.serving_base import Generation, PromptInput, ServingContext, finite_logprob, send_stream
+from hybridkv.entrypoints.openai.sse import SSEStream, dumps
+from hybridkv.model_executor.tokenizer import apply_chat_template
 
 
 def render_chat(ctx: ServingContext, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:

@@ -5,12 +5,12 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.outputs import PositionLogprobs
-from entrypoints.openai.protocol import CompletionRequest, Prompt
-from entrypoints.openai.serving_base import (
+from hybridkv.engine.outputs import PositionLogprobs
+from hybridkv.entrypoints.openai.protocol import CompletionRequest, Prompt
+from hybridkv.entrypoints.openai.serving_base import (
     ChoiceState, Generation, PromptInput, ServingContext, finite_logprob, send_stream,
 )
-from entrypoints.openai.sse import SSEStream, dumps
+from hybridkv.entrypoints.openai.sse import SSEStream, dumps
 
 
 class CompletionServing:

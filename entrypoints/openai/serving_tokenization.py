@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from entrypoints.openai.errors import bad_request
-from entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
-from entrypoints.openai.serving_base import ServingContext
-from entrypoints.openai.serving_chat import render_chat
+from hybridkv.entrypoints.openai.errors import bad_request
+from hybridkv.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+from hybridkv.entrypoints.openai.serving_base import ServingContext
+from hybridkv.entrypoints.openai.serving_chat import render_chat
 
 
 class TokenizationServing:

@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from entrypoints.openai.errors import OpenAIError
+from hybridkv.entrypoints.openai.errors import OpenAIError
 
 
 def dumps(obj: Any) -> str:

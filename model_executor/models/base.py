@@ -1,23 +1,36 @@
 """The contract every model in the registry fulfils, and the shared weight loader."""
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 from torch import nn
 
-from block_manager.space_spec import SpaceSpec
+from hybridkv.attention_backends.metadata import AttentionMetadata, StepSequences, build_attention_metadata
+from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
+from hybridkv.model_executor.layers import pack_linear_weights
+
+if TYPE_CHECKING:  # the runner hands the manager in; models only read its spaces
+    from hybridkv.block_manager.kv_cache_manager import KVCacheManager
 
 
 class CausalLM(nn.Module):
     """A decoder the model runner can drive.
 
-    forward(input_ids [T], positions [T], meta) -> hidden [T, H] for a flat batch of tokens
-    compute_logits(hidden [N, H]) -> [N, vocab]
-    space_specs(dtype) -> the block spaces this model's layers read and write
-    attention_layers() -> modules with .space, .num_kv_heads, .head_dim and k_cache/v_cache/backend slots
-    load_weights(iterable of (HF name, tensor))
+    Every model implements:
+      forward(input_ids [T], positions [T], meta) -> hidden [T, H] for a flat batch of tokens
+      compute_logits(hidden [N, H]) -> [N, vocab]
+      space_specs(dtype) -> the block spaces this model's layers read and write
+      load_weights(iterable of (HF name, tensor))
+    and may override the hooks below, whose defaults fit dense decoders whose attention layers
+    (attention_layers(): modules with .space, .num_kv_heads, .head_dim and k_cache / v_cache /
+    backend slots) each keep one K and one V per token in one space:
+      default_block_size, allocate_kv_cache, build_attention_metadata, cast_to, pack_weights.
     """
+
+    # The page size this model prefers when the user leaves block_size at the engine default;
+    # None = the engine default fits (DeepSeek-V4 wants 128: a multiple of its compress ratios).
+    default_block_size: int | None = None
 
     def space_specs(self, dtype: torch.dtype) -> list[SpaceSpec]:  # pragma: no cover - interface
         raise NotImplementedError
@@ -30,6 +43,50 @@ class CausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:  # pragma: no cover
         raise NotImplementedError
+
+    # -- hooks with defaults -------------------------------------------------------------------
+    def allocate_kv_cache(
+        self, kv: "KVCacheManager", backend, dtype: torch.dtype, device: torch.device
+    ) -> dict[str, torch.Tensor]:
+        """Allocate each space's physical K/V tensors and bind every attention layer its slice
+        and the attention backend. Returns space -> its [layers, 2, Hkv, slots, D] tensor.
+
+        Head-major [Hkv, slots, D] per layer: a gather of any slots yields one contiguous block per
+        KV head, the layout the attention matmuls read fastest. Allocated uninitialised (a pool
+        of GiBs is not touched at startup); only the null page is zeroed, because every padded
+        or masked read of the backends points there."""
+        per_space: dict[str, list[nn.Module]] = {}
+        for attn in self.attention_layers():
+            per_space.setdefault(attn.space, []).append(attn)
+        caches = {}
+        for name, attns in per_space.items():
+            space = kv.spaces[name]
+            slots = space.num_physical_pages * kv.page_size
+            a = attns[0]
+            cache = torch.empty(len(attns), 2, a.num_kv_heads, slots, a.head_dim, dtype=dtype, device=device)
+            null = space.spec.slots_per_page(kv.page_size)
+            cache[:, :, :, NULL_PAGE * null : (NULL_PAGE + 1) * null].zero_()
+            for i, attn in enumerate(attns):
+                attn.k_cache, attn.v_cache = cache[i, 0], cache[i, 1]
+                attn.backend = backend
+            caches[name] = cache
+        return caches
+
+    def build_attention_metadata(
+        self, seqs: StepSequences, windows: dict[str, int | None], page_size: int
+    ) -> AttentionMetadata:
+        """Per-step metadata shared by every layer (slot mappings, decode tiles, prefill chunks)."""
+        return build_attention_metadata(seqs, windows, page_size)
+
+    def cast_to(self, dtype: torch.dtype) -> None:
+        """Cast to the model dtype. Only parameters: RoPE tables stay float32 and are cast per
+        use, as transformers does. A model that keeps some tensors in float32 overrides this."""
+        for p in self.parameters():
+            p.data = p.data.to(dtype)
+
+    def pack_weights(self) -> None:
+        """Prepack projections for the CPU's oneDNN kernels (the runner calls this on CPU only)."""
+        pack_linear_weights(self)
 
 
 def load_stacked_weights(

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attention_backends.metadata import AttentionMetadata
-from model_executor.layers import RMSNorm, RotaryEmbedding, SiluAndMulMLP
-from model_executor.models.llama import LlamaAttention, LlamaForCausalLM
+from hybridkv.attention_backends.metadata import AttentionMetadata
+from hybridkv.model_executor.layers import RMSNorm, RotaryEmbedding, SiluAndMulMLP
+from hybridkv.model_executor.models.llama import LlamaAttention, LlamaForCausalLM
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 

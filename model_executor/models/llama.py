@@ -13,9 +13,9 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from attention_backends.metadata import AttentionMetadata
-from block_manager.space_spec import SpaceSpec
-from model_executor.layers import (
+from hybridkv.attention_backends.metadata import AttentionMetadata
+from hybridkv.block_manager.space_spec import SpaceSpec
+from hybridkv.model_executor.layers import (
     PackedLinearWeight,
     RMSNorm,
     RotaryEmbedding,
@@ -24,7 +24,7 @@ from model_executor.layers import (
     apply_rotary,
     pack_linear_weights,
 )
-from model_executor.models.base import CausalLM, load_stacked_weights
+from hybridkv.model_executor.models.base import CausalLM, load_stacked_weights
 
 
 class LlamaAttention(nn.Module):

@@ -1,10 +1,10 @@
 """Model registry keyed by config.json's `architectures`."""
 from __future__ import annotations
 
-from model_executor.models.base import CausalLM
-from model_executor.models.deepseek_v4 import DeepseekV4ForCausalLM
-from model_executor.models.gemma3 import Gemma3ForCausalLM
-from model_executor.models.llama import LlamaForCausalLM
+from hybridkv.model_executor.models.base import CausalLM
+from hybridkv.model_executor.models.deepseek_v4 import DeepseekV4ForCausalLM
+from hybridkv.model_executor.models.gemma3 import Gemma3ForCausalLM
+from hybridkv.model_executor.models.llama import LlamaForCausalLM
 
 _REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

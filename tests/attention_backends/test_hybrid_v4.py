@@ -8,11 +8,12 @@ import random
 import pytest
 import torch
 
-from attention_backends.hybrid_metadata import (
+from hybridkv.attention_backends.hybrid_metadata import (
     C4, C128, INDEXER, STATE, SWA, HybridLayout, build_hybrid_metadata,
 )
-from attention_backends.hybrid_v4 import HybridV4Attention, IndexerQuery, joint_softmax_attention, select_topk
-from attention_backends.metadata import NULL_PAGE, StepSequences
+from hybridkv.attention_backends.hybrid_v4 import HybridV4Attention, IndexerQuery, joint_softmax_attention, select_topk
+from hybridkv.attention_backends.metadata import StepSequences
+from hybridkv.block_manager.space_spec import NULL_PAGE
 from tiny_deepseek_v4 import single_thread
 
 P, W, CSA, HCA = 8, 5, 2, 4  # page size, sliding window, ratios (P is a multiple of both)
@@ -66,7 +67,7 @@ class _Step:
         rng = random.Random(seed)
         g = torch.Generator().manual_seed(seed)
         self.spans = spans  # (start, num_new_tokens) per sequence, decodes first
-        pools = {s: list(range(64)) for s in SPACES}
+        pools = {s: list(range(1, 65)) for s in SPACES}  # page 0 is the null page
         for pool in pools.values():
             rng.shuffle(pool)
         self.tables: dict[str, list[list[int]]] = {s: [] for s in SPACES}
@@ -80,11 +81,13 @@ class _Step:
                     for i in range(max(0, start - window + 1) // P):
                         table[i] = NULL_PAGE
                 self.tables[space].append(table)
-        self.seqs = StepSequences([q for _, q in spans], [s + q for s, q in spans], self.tables)
-        self.swa = torch.randn(64 * P, D, generator=g)
-        self.c4 = torch.randn(64 * P // CSA, D, generator=g)
-        self.c128 = torch.randn(64 * P // HCA, D, generator=g)
-        self.index_keys = torch.randn(64 * P // CSA, CI, generator=g)
+        self.seqs = StepSequences.from_page_lists([q for _, q in spans], [s + q for s, q in spans], self.tables)
+        self.swa = torch.randn(65 * P, D, generator=g)
+        self.c4 = torch.randn(65 * P // CSA, D, generator=g)
+        self.c128 = torch.randn(65 * P // HCA, D, generator=g)
+        self.index_keys = torch.randn(65 * P // CSA, CI, generator=g)
+        for cache in (self.swa, self.c4, self.c128, self.index_keys):
+            cache[: cache.shape[0] // 65] = 0  # the null page: zeros, as the model allocates it
 
     def slot(self, i: int, space: str, idx: int) -> int:
         per_page = P // SPACES[space]
@@ -139,7 +142,7 @@ def test_backend_matches_dense_reference_over_random_pages(kind):
 def test_compression_plan_reads_the_right_state_rows_and_writes_the_right_entries():
     step = _Step([(36, 1), (7, 1), (20, 15), (0, 12), (3, 300)], seed=4)
     meta = build_hybrid_metadata(step.seqs, HybridLayout(P, W, CSA, HCA))
-    state = torch.full((64 * P,), -1, dtype=torch.long)
+    state = torch.full((65 * P,), -1, dtype=torch.long)
     for i, (start, n) in enumerate(step.spans):
         for t in range(max(0, start - 2 * HCA), start + n):
             page = step.tables[STATE][i][t // P]

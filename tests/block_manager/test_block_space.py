@@ -1,8 +1,8 @@
 """BlockSpace ledger: free + cached + in use == capacity, refcounts never negative."""
 import pytest
 
-from block_manager.block_space import BlockSpace, OutOfPagesError
-from block_manager.space_spec import SpaceSpec
+from hybridkv.block_manager.block_space import BlockSpace, OutOfPagesError
+from hybridkv.block_manager.space_spec import SpaceSpec
 
 
 def test_allocate_decref_returns_pages_to_free():

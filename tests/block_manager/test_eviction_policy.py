@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from block_manager.block_space import BlockSpace
-from block_manager.eviction_policy import EvictionPolicy
-from block_manager.shadow_index import ShadowIndex
-from block_manager.space_spec import SpaceSpec
+from hybridkv.block_manager.block_space import BlockSpace
+from hybridkv.block_manager.eviction_policy import EvictionPolicy
+from hybridkv.block_manager.shadow_index import ShadowIndex
+from hybridkv.block_manager.space_spec import SpaceSpec
 
 P = 4
 SEQS = {name: [k] * P for name, k in (("A", 10), ("B", 20), ("C", 30), ("D", 40))}

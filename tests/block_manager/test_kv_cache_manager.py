@@ -2,8 +2,8 @@
 import random
 
 
-from block_manager.kv_cache_manager import NULL_PAGE, KVCacheManager
-from block_manager.space_spec import SpaceSpec
+from hybridkv.block_manager.kv_cache_manager import NULL_PAGE, KVCacheManager
+from hybridkv.block_manager.space_spec import SpaceSpec
 
 P = 4
 

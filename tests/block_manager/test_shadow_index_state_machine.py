@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from block_manager.kv_cache_manager import NULL_PAGE, KVCacheManager
-from block_manager.space_spec import SpaceSpec
+from hybridkv.block_manager.kv_cache_manager import NULL_PAGE, KVCacheManager
+from hybridkv.block_manager.space_spec import SpaceSpec
 
 P = 4
 
@@ -42,12 +42,13 @@ GEMMA_LIKE = [SpaceSpec("full", 1, 8), SpaceSpec("swa", 1, 8, window=9)]
 class ShadowIndexMachine(RuleBasedStateMachine):
     specs = V4_LIKE
     pages = 14
+    policy = "lru"
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(self.specs, {s.name: self.pages for s in self.specs}, P, True)
+        self.kv = KVCacheManager(self.specs, {s.name: self.pages for s in self.specs}, P, True, self.policy)
         self.windowed = {s.name: s.window for s in self.specs if s.windowed}
-        self.tags = {s.name: [None] * self.pages for s in self.specs}
+        self.tags = {s.name: [None] * (self.pages + 1) for s in self.specs}
         self.live: dict[str, dict] = {}  # rid -> {"tokens", "computed", "ns", "hit"}
         self.history: list[tuple[object, list[int]]] = []
         self.pins: list = []
@@ -192,6 +193,19 @@ class ShadowIndexMachine(RuleBasedStateMachine):
         self.pins.append(self.kv.index.lock(node, swa_tokens))
 
     @precondition(lambda self: self.pins)
+    @rule(data=st.data(), swa_tokens=st.integers(0, 12))
+    def move_pin(self, data, swa_tokens):
+        """Slide a pin to a node below it (the O(1) lock move), or anywhere (relock fallback)."""
+        i = data.draw(st.integers(0, len(self.pins) - 1))
+        old = self.pins[i]
+        below = [n for n in self.kv.index.nodes() if old.anchor in set(n.path())]
+        pool = below if below and data.draw(st.booleans()) else list(self.kv.index.nodes())
+        target = data.draw(st.sampled_from(sorted(pool, key=lambda n: (n.depth, n.key, n.seq))))
+        moved = self._observed(lambda: self.kv.index.move(old, target, swa_tokens), unlocking=True)
+        assert moved.anchor is target and moved.swa_tokens == swa_tokens
+        self.pins[i] = moved
+
+    @precondition(lambda self: self.pins)
     @rule(data=st.data(), early_swa=st.booleans())
     def unpin(self, data, early_swa):
         receipt = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
@@ -207,8 +221,16 @@ class ShadowIndexMachine(RuleBasedStateMachine):
         if space not in self.kv.spaces:
             return
         free_before = self.kv.spaces[space].num_free
+        index = self.kv.index
+        expected = None
+        if space not in index.windows:  # differential check of the O(1) queues against a sort
+            leaves = [nd for nd in index.nodes() if not nd.children and nd.full_lock_ref == 0]
+            if leaves:
+                expected = min(leaves, key=index.policy.key)
         freed = self._observed(lambda: self.kv.index.evict(space, n))
         assert self.kv.spaces[space].num_free - free_before == freed
+        if expected is not None:
+            assert expected not in set(index.nodes()), "eviction skipped the policy's first victim"
 
     def _observed(self, op, unlocking: bool = False):
         """Run op (which may evict); check it only removed unlocked nodes / tombstoned unlocked
@@ -220,8 +242,8 @@ class ShadowIndexMachine(RuleBasedStateMachine):
         after = self._index_view()
         for k, live in before.items():
             if k not in after:
-                if unlocking:
-                    assert not any(live.values()) and len(self.windowed) == len(self.kv.spaces), "unlock dropped data"
+                if unlocking:  # only a leaf that can serve no hit (a windowed shadow tombstoned) may go
+                    assert self.windowed and not all(live.values()), "unlock dropped a node that serves hits"
                 else:
                     assert k not in full_locked, "evicted a full-locked node"
             else:
@@ -260,6 +282,14 @@ class GemmaLikeMachine(ShadowIndexMachine):
     pages = 12
 
 
+class LfuGemmaLikeMachine(GemmaLikeMachine):
+    policy = "lfu"
+
+
+class SlruV4LikeMachine(ShadowIndexMachine):
+    policy = "slru"
+
+
 FAST = settings(max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck))
 SLOW = settings(max_examples=400, stateful_step_count=80, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -269,6 +299,10 @@ TestMistralLike = MistralLikeMachine.TestCase
 TestMistralLike.settings = FAST
 TestGemmaLike = GemmaLikeMachine.TestCase
 TestGemmaLike.settings = FAST
+TestLfuGemmaLike = LfuGemmaLikeMachine.TestCase
+TestLfuGemmaLike.settings = FAST
+TestSlruV4Like = SlruV4LikeMachine.TestCase
+TestSlruV4Like.settings = FAST
 
 
 class _SlowV4(ShadowIndexMachine):

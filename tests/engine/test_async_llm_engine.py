@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError
-from engine.config import EngineConfig
-from engine.sampling_params import RequestOutputKind, SamplingParams
-from entrypoints import LLM
+from hybridkv.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError
+from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
+from hybridkv.entrypoints import LLM
 
 PROMPTS = ["the quick brown fox", "a lighthouse keeper named Ada", "numbers 0 1 2 3"]
 
@@ -62,7 +62,7 @@ def test_validation_error_raises_before_any_output(engine):
 
 
 def test_duplicate_request_id_is_rejected_and_batch_add_is_all_or_nothing(engine):
-    from engine.async_llm_engine import GenerateRequest
+    from hybridkv.engine.async_llm_engine import GenerateRequest
 
     async def run():
         stream = await engine.add_request("same", "hello", _params(max_tokens=50))

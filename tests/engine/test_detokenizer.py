@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from hybridkv.engine.detokenizer import IncrementalDetokenizer
+from hybridkv.engine.sampling_params import SamplingParams
 
 CORPUS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",

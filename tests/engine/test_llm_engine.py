@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entrypoints import LLM, SamplingParams
+from hybridkv.entrypoints import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from hybridkv.engine.sampling_params import SamplingParams
 
 # (kwargs, field name that must appear in the message, range text that must appear too)
 INVALID: list[tuple[dict, str, str]] = [

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from block_manager.kv_cache_manager import KVCacheManager
-from block_manager.space_spec import SpaceSpec
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduling_policy import SchedulingPolicy
-from entrypoints import LLM
+from hybridkv.block_manager.kv_cache_manager import KVCacheManager
+from hybridkv.block_manager.space_spec import SpaceSpec
+from hybridkv.engine.request import Request, RequestStatus
+from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.scheduling_policy import SchedulingPolicy
+from hybridkv.entrypoints import LLM
 
 P = 4
 
@@ -124,12 +124,24 @@ def test_in_batch_grouping_defers_all_but_one_of_a_shared_uncached_prefix(name):
     assert not SchedulingPolicy(name).order(reqs, kv).deferred
 
 
-def test_cache_aware_ordering_falls_back_to_fcfs_beyond_max_cache_aware():
+def test_cache_aware_ordering_scales_past_128_waiting_requests():
+    """Invariant: a long queue stays cache-aware (no silent fcfs fallback), and each step runs at
+    most max_matches_per_step prefix matches: every request is matched once, hits are reused."""
     kv = _kv()
     _cache(kv, list(range(100, 124)))
-    reqs = [_req("none", list(range(500, 530))), _req("hit", list(range(100, 124)) + [1])]
-    order = SchedulingPolicy("lpm", max_cache_aware=1).order(reqs, kv)
-    assert _ids(order.requests) == ["none", "hit"] and not order.deferred
+    reqs = [_req(f"none{i}", [500 + i] * 30) for i in range(300)]
+    reqs.append(_req("hit", list(range(100, 124)) + [1]))
+    policy = SchedulingPolicy("lpm", max_matches_per_step=64)
+    calls = []
+    real = kv.match_prefix
+    kv.match_prefix = lambda *a, **k: calls.append(1) or real(*a, **k)
+    orders = [policy.order(reqs, kv) for _ in range(6)]  # 301 requests need 5 steps of 64 matches
+    assert len(calls) == 6 * 64, "each step runs exactly its match budget while requests are stale"
+    assert _ids(orders[0].requests)[0] == "none0", "not matched yet: arrival order"
+    assert _ids(orders[-1].requests)[0] == "hit", "once matched, the hit goes first (lpm) even with 301 waiting"
+    calls.clear()
+    policy.order(reqs[:10], kv)  # the queue shrank: cached hits of the rest are dropped, not re-matched
+    assert len(calls) == 10 and len(policy._cache) == 10
 
 
 def test_unknown_policy_is_rejected():

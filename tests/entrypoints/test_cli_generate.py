@@ -1,5 +1,5 @@
 """`hybridkv generate` on a local checkpoint folder, and its error path."""
-from entrypoints.cli import main
+from hybridkv.entrypoints.cli import main
 
 
 def test_generate_prints_each_prompt_and_its_completion(tiny_ckpt, capsys):

@@ -31,7 +31,7 @@ def _post(url: str, body: dict, key: str | None) -> urllib.request.Request:
 def test_serve_subprocess_answers_http_and_exits_0_on_sigint(tiny_ckpt):
     env = {**os.environ, "HYBRIDKV_API_KEY": "env-key", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "entrypoints.cli", "serve", tiny_ckpt("llama"), "--port", "0", "--max-model-len",
+        [sys.executable, "-m", "hybridkv", "serve", tiny_ckpt("llama"), "--port", "0", "--max-model-len",
          "256", "--served-model-name", "tiny", "--disable-access-log"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )

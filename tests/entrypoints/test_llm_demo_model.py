@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entrypoints import LLM, SamplingParams
+from hybridkv.entrypoints import LLM, SamplingParams
 
 PROMPTS = [
     "The capital of France is",
@@ -66,7 +66,7 @@ def test_demo_model_chat_stops_at_end_of_turn(demo_llm):
 
 @pytest.mark.slow
 def test_cli_generate_on_demo_model(capsys):
-    from entrypoints.cli import main
+    from hybridkv.entrypoints.cli import main
 
     assert main(["generate", "The capital of France is", "--max-tokens", "8"]) == 0
     assert "Paris" in capsys.readouterr().out

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from model_executor.checkpoint import (
+from hybridkv.model_executor.checkpoint import (
     GenerationDefaults,
     iter_weights,
     load_config,

@@ -15,8 +15,8 @@ import random
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
-from entrypoints import LLM
+from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.entrypoints import LLM
 from tiny_deepseek_v4 import build_v4_checkpoint, hf_v4_model, single_thread
 
 ATOL = 1e-4
@@ -82,8 +82,11 @@ def _run(llm: LLM, prompts: dict[str, list[int]], max_tokens: int, chunks=None) 
     eng = llm.engine
     eng.runner.captured_logits = {}
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    user_id = {}  # the runner keys captured logits by internal sequence id
     for rid, ids in prompts.items():
         eng.add_request(rid, {"prompt_token_ids": ids}, params)
+        (seq_id,) = eng.sequence_ids(rid)
+        user_id[seq_id] = rid
     tokens = {}
     while eng.has_unfinished_requests():
         if chunks is not None:
@@ -91,7 +94,7 @@ def _run(llm: LLM, prompts: dict[str, list[int]], max_tokens: int, chunks=None) 
         for out in eng.step():
             if out.finished:
                 tokens[out.request_id] = out.outputs[0].token_ids
-    logits = {rid: torch.cat(c) for rid, c in eng.runner.captured_logits.items()}
+    logits = {user_id[sid]: torch.cat(c) for sid, c in eng.runner.captured_logits.items()}
     eng.runner.captured_logits = None
     return logits, tokens
 

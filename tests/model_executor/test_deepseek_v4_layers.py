@@ -8,14 +8,14 @@ import shutil
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
-from entrypoints import LLM
-from model_executor.models.deepseek_v4.compressor import Compressor
-from model_executor.models.deepseek_v4.config import V4Config
-from model_executor.models.deepseek_v4.mhc import HyperConnection, HyperHead
-from model_executor.models.deepseek_v4.moe import V4MoE
-from model_executor.models.deepseek_v4.rope import InterleavedRope, inv_freq_from_params
-from model_executor.models.deepseek_v4.weights import canonical_name
+from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.entrypoints import LLM
+from hybridkv.model_executor.models.deepseek_v4.compressor import Compressor
+from hybridkv.model_executor.models.deepseek_v4.config import V4Config
+from hybridkv.model_executor.models.deepseek_v4.mhc import HyperConnection, HyperHead
+from hybridkv.model_executor.models.deepseek_v4.moe import V4MoE
+from hybridkv.model_executor.models.deepseek_v4.rope import InterleavedRope, inv_freq_from_params
+from hybridkv.model_executor.models.deepseek_v4.weights import canonical_name
 from tiny_deepseek_v4 import build_v4_checkpoint, randomize_, single_thread, v4_config
 
 hf_v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
@@ -193,7 +193,7 @@ def test_legacy_config_fields_are_understood(tmp_path):
     raw.update(compress_ratios=[0, 4, 128, 4], num_hash_layers=1, qk_rope_head_dim=8)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(raw, f)
-    from model_executor.checkpoint import load_config
+    from hybridkv.model_executor.checkpoint import load_config
 
     cfg = V4Config.from_hf(load_config(path))
     assert cfg.layer_types == ("sliding_attention", "compressed_sparse_attention",

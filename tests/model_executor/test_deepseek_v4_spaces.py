@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
-from entrypoints import LLM
+from hybridkv.block_manager.space_spec import NULL_PAGE
+from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.entrypoints import LLM
 from tiny_deepseek_v4 import build_v4_checkpoint, single_thread
 
 
@@ -45,6 +46,27 @@ def test_page_size_must_be_a_multiple_of_every_ratio(ckpt):
         LLM(ckpt, dtype="float32", max_model_len=512, max_num_seqs=2, block_size=40)
     llm = LLM(ckpt, dtype="float32", max_model_len=512, max_num_seqs=2, block_size=32)  # an explicit page size is kept
     assert llm.engine.kv.page_size == 32
+    # An explicit 16 (a multiple of [1, 4, 16]) is kept too: it is no longer mistaken for the default.
+    llm = LLM(ckpt, dtype="float32", max_model_len=512, max_num_seqs=2, block_size=16)
+    assert llm.engine.kv.page_size == 16
+    out = llm.generate({"prompt_token_ids": list(range(3, 60))},
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_explicit_block_size_the_model_cannot_use_names_the_valid_sizes(tmp_path):
+    """HCA ratio 128 (the real one): an explicit block_size=16 is an error naming the page sizes
+    V4 can use, never silently replaced; block_size=None takes V4's default, 128."""
+    path = build_v4_checkpoint(
+        str(tmp_path / "v4_hca128"),
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        sliding_window=160,
+    )
+    with pytest.raises(ValueError, match=r"block_size 16 .* use a multiple of 128 \(128, 256, 384, \.\.\.; "
+                                         r"this model's default is 128\)"):
+        LLM(path, dtype="float32", max_model_len=512, max_num_seqs=2, block_size=16)
+    assert LLM(path, dtype="float32", max_model_len=512, max_num_seqs=2, block_size=None).engine.kv.page_size == 128
+    assert LLM(path, dtype="float32", max_model_len=512, max_num_seqs=2, block_size=256).engine.kv.page_size == 256
 
 
 def test_memory_is_split_by_bytes_per_token_of_context(ckpt):
@@ -98,7 +120,7 @@ def test_a_4k_sequence_holds_one_window_of_swa_and_exact_compressed_pages(ckpt):
             break
         L = req.num_computed_tokens
         for name, spec in kv.specs.items():
-            held = [p for p in kv.page_table("long", name) if p >= 0]
+            held = [p for p in kv.page_table(req.request_id, name) if p != NULL_PAGE]
             assert len(held) == kv.spaces[name].num_in_use
             if spec.window is not None:
                 assert len(held) <= math.ceil(spec.window / P) + 1, (name, L, len(held))
@@ -119,7 +141,7 @@ def test_llm_with_default_arguments_generates(ckpt):
 
 
 def test_cli_generate(ckpt, capsys):
-    from entrypoints.cli import main
+    from hybridkv.entrypoints.cli import main
 
     rc = main(["generate", "--model", ckpt, "--max-tokens", "4", "--max-model-len", "512", "--max-num-seqs", "2",
                "a lighthouse keeper"])

@@ -15,8 +15,8 @@ from unittest import mock
 
 import pytest
 
-from model_executor import demo_model
-from model_executor.demo_model import (
+from hybridkv.model_executor import demo_model
+from hybridkv.model_executor.demo_model import (
     COMPLETE_MARKER,
     DEMO_MODEL_NAME,
     default_cache_dir,
@@ -118,8 +118,8 @@ def test_demo_model_converts_and_matches_gguf_logits(tmp_path):
     import transformers.modeling_utils as modeling_utils
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from model_executor.checkpoint import load_config, load_generation_config, weight_files
-    from model_executor.tokenizer import apply_chat_template, load_tokenizer
+    from hybridkv.model_executor.checkpoint import load_config, load_generation_config, weight_files
+    from hybridkv.model_executor.tokenizer import apply_chat_template, load_tokenizer
 
     gguf_path = find_demo_gguf()
     path = ensure_demo_model(str(tmp_path), progress=False)

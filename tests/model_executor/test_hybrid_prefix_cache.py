@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entrypoints import LLM
+from hybridkv.entrypoints import LLM
 from prefix_hit_helpers import assert_hit_at_every_boundary, run_one
 from tiny_deepseek_v4 import build_v4_checkpoint, single_thread
 
 V4_CONFIGS = {
     # window 16 < page 32, HCA ratio 16: the SWA and state (16) tails sit inside one page
-    # (page 16 is not possible: it is the engine's default, which V4 replaces by 128)
+    # (an explicit block_size is always kept; these cases use page 32)
     "w16_p32": (dict(), 32, 100),
     # window 40 > page 32: the SWA tail spans two pages; state window 8 < page
     "w40_p32": (dict(sliding_window=40, index_topk=5), 32, 110),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entrypoints import LLM, SamplingParams
+from hybridkv.entrypoints import LLM, SamplingParams
 from tiny_checkpoints import hf_model
 
 ATOL = 1e-4

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import model_executor.sampler as sampler_mod
-from engine.sampling_params import SamplingParams
-from model_executor.sampler import (
+import hybridkv.model_executor.sampler as sampler_mod
+from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.model_executor.sampler import (
     Sampler,
     SamplingBatch,
     compute_prompt_logprobs,

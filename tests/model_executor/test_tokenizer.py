@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from model_executor.tokenizer import (
+from hybridkv.model_executor.tokenizer import (
     CHATML_FALLBACK_TEMPLATE,
     apply_chat_template,
     load_tokenizer,

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attention_backends.hybrid_metadata import C4, C128, INDEXER, HybridAttentionMetadata
-from attention_backends.hybrid_v4 import HybridV4Attention, IndexerQuery, write_slots
-from model_executor.models.deepseek_v4.compressor import Compressor
-from model_executor.models.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
-from model_executor.models.deepseek_v4.indexer import Indexer
-from model_executor.models.deepseek_v4.norms import V4RMSNorm, rms_normalize
-from model_executor.models.deepseek_v4.rope import InterleavedRope
+from hybridkv.attention_backends.hybrid_metadata import C4, C128, INDEXER, HybridAttentionMetadata
+from hybridkv.attention_backends.hybrid_v4 import HybridV4Attention, IndexerQuery, write_slots
+from hybridkv.model_executor.models.deepseek_v4.compressor import Compressor
+from hybridkv.model_executor.models.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
+from hybridkv.model_executor.models.deepseek_v4.indexer import Indexer
+from hybridkv.model_executor.models.deepseek_v4.norms import V4RMSNorm, rms_normalize
+from hybridkv.model_executor.models.deepseek_v4.rope import InterleavedRope
 
 
 @dataclass

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model_executor.models.deepseek_v4.norms import V4RMSNorm
-from model_executor.models.deepseek_v4.rope import InterleavedRope
+from hybridkv.model_executor.models.deepseek_v4.norms import V4RMSNorm
+from hybridkv.model_executor.models.deepseek_v4.rope import InterleavedRope
 
 
 class Compressor(nn.Module):

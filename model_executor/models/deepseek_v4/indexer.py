@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model_executor.models.deepseek_v4.compressor import Compressor
-from model_executor.models.deepseek_v4.config import V4Config
-from model_executor.models.deepseek_v4.rope import InterleavedRope
+from hybridkv.model_executor.models.deepseek_v4.compressor import Compressor
+from hybridkv.model_executor.models.deepseek_v4.config import V4Config
+from hybridkv.model_executor.models.deepseek_v4.rope import InterleavedRope
 
 
 class Indexer(nn.Module):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from model_executor.models.deepseek_v4.norms import rms_normalize
+from hybridkv.model_executor.models.deepseek_v4.norms import rms_normalize
 
 
 class HyperConnection(nn.Module):

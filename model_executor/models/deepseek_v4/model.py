@@ -2,9 +2,8 @@
 
 Per token the model keeps: its SWA key in every layer (windowed), the compressor raw rows
 of CSA/HCA layers (windowed `state`: only the rows an unfinished window still needs), and
-once a window closes its C4 entry + indexer key (CSA) or C128 entry (HCA) for good. The
-runner calls allocate_kv_cache / build_attention_metadata (model hooks) instead of its
-dense-model defaults.
+once a window closes its C4 entry + indexer key (CSA) or C128 entry (HCA) for good. It
+overrides the base model's allocate_kv_cache / build_attention_metadata / cast_to hooks.
 """
 from __future__ import annotations
 
@@ -13,19 +12,19 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from attention_backends.hybrid_metadata import (
+from hybridkv.attention_backends.hybrid_metadata import (
     C4, C128, INDEXER, STATE, SWA, HybridAttentionMetadata, HybridLayout, build_hybrid_metadata,
 )
-from attention_backends.metadata import StepSequences
-from block_manager.space_spec import SpaceSpec
-from model_executor.models.base import CausalLM
-from model_executor.models.deepseek_v4.attention import CompressorCache, V4Attention, V4LayerCache
-from model_executor.models.deepseek_v4.config import CSA, V4Config
-from model_executor.models.deepseek_v4.mhc import HyperConnection, HyperHead
-from model_executor.models.deepseek_v4.moe import V4MoE
-from model_executor.models.deepseek_v4.norms import V4RMSNorm
-from model_executor.models.deepseek_v4.rope import InterleavedRope, inv_freq_from_params
-from model_executor.models.deepseek_v4.weights import load_v4_weights
+from hybridkv.attention_backends.metadata import StepSequences
+from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
+from hybridkv.model_executor.models.base import CausalLM
+from hybridkv.model_executor.models.deepseek_v4.attention import CompressorCache, V4Attention, V4LayerCache
+from hybridkv.model_executor.models.deepseek_v4.config import CSA, V4Config
+from hybridkv.model_executor.models.deepseek_v4.mhc import HyperConnection, HyperHead
+from hybridkv.model_executor.models.deepseek_v4.moe import V4MoE
+from hybridkv.model_executor.models.deepseek_v4.norms import V4RMSNorm
+from hybridkv.model_executor.models.deepseek_v4.rope import InterleavedRope, inv_freq_from_params
+from hybridkv.model_executor.models.deepseek_v4.weights import load_v4_weights
 
 STATE_DTYPE = torch.float32  # compressor raw rows: kept in float32 whatever the model dtype
 # Tensors transformers keeps in float32 in every dtype (its _keep_in_fp32_modules_strict).
@@ -98,14 +97,23 @@ class DeepseekV4ForCausalLM(CausalLM):
             cfg.hca_ratio if cfg.num_hca_layers else None,
         )
 
-    def allocate_kv_cache(self, kv) -> None:
-        """Runner hook: allocate every space's tensors and bind each layer's views (zero-filled:
-        padded reads are masked but must be finite)."""
+    def allocate_kv_cache(self, kv, backend, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+        """Allocate every space's tensors and bind each layer's views. V4's layers use their own
+        hybrid backend (HybridV4Attention), so `backend` is not used. Uninitialised except the
+        null page: every masked or padded read of the hybrid metadata points at its slot 0."""
         P = kv.page_size
-        dtype = self.head.weight.dtype
-        slots = {name: s.num_pages * s.spec.slots_per_page(P) for name, s in kv.spaces.items()}
+        slots = {name: s.num_physical_pages * s.spec.slots_per_page(P) for name, s in kv.spaces.items()}
+        null = {name: s.spec.slots_per_page(P) for name, s in kv.spaces.items()}
+        caches: dict[str, list[torch.Tensor]] = {name: [] for name in kv.spaces}
+
+        def pool(space: str, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+            t = torch.empty(*shape, dtype=dtype, device=device)
+            t.narrow(-2, NULL_PAGE * null[space], null[space]).zero_()
+            caches[space].append(t)
+            return t
+
         D, cI = self.cfg.head_dim, self.cfg.index_head_dim
-        swa = torch.zeros(self.cfg.num_layers, slots[SWA], D, dtype=dtype)
+        swa = pool(SWA, self.cfg.num_layers, slots[SWA], D, dtype=dtype)
         for i, layer in enumerate(self.layers):
             attn = layer.attn
             cache = V4LayerCache(swa=swa[i])
@@ -113,25 +121,29 @@ class DeepseekV4ForCausalLM(CausalLM):
                 width = attn.compressor.row_width
                 space = C4 if attn.layer_type == CSA else C128
                 cache.compressor = CompressorCache(
-                    torch.zeros(slots[STATE], width, dtype=STATE_DTYPE),
-                    torch.zeros(slots[STATE], width, dtype=STATE_DTYPE),
-                    torch.zeros(slots[space], D, dtype=dtype),
+                    pool(STATE, slots[STATE], width, dtype=STATE_DTYPE),
+                    pool(STATE, slots[STATE], width, dtype=STATE_DTYPE),
+                    pool(space, slots[space], D, dtype=dtype),
                 )
             if attn.indexer is not None:
                 width = attn.indexer.compressor.row_width
                 cache.indexer = CompressorCache(
-                    torch.zeros(slots[STATE], width, dtype=STATE_DTYPE),
-                    torch.zeros(slots[STATE], width, dtype=STATE_DTYPE),
-                    torch.zeros(slots[INDEXER], cI, dtype=dtype),
+                    pool(STATE, slots[STATE], width, dtype=STATE_DTYPE),
+                    pool(STATE, slots[STATE], width, dtype=STATE_DTYPE),
+                    pool(INDEXER, slots[INDEXER], cI, dtype=dtype),
                 )
             attn.cache = cache
+        return {name: ts[0] for name, ts in caches.items() if ts}
 
-    def build_attention_metadata(self, seqs: StepSequences, page_size: int) -> HybridAttentionMetadata:
-        """Runner hook: per-step slot mappings, compression plans and query blocks."""
+    def build_attention_metadata(
+        self, seqs: StepSequences, windows: dict[str, int | None], page_size: int
+    ) -> HybridAttentionMetadata:
+        """Per-step slot mappings, compression plans and query blocks (the windows are the
+        model's own: HybridLayout carries them)."""
         return build_hybrid_metadata(seqs, self.layout(page_size))
 
     def cast_to(self, dtype: torch.dtype) -> None:
-        """Runner hook: cast to the model dtype except the tensors V4 keeps in float32."""
+        """Cast to the model dtype except the tensors V4 keeps in float32."""
         for name, p in self.named_parameters():
             p.data = p.data.to(torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype)
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from model_executor.models.deepseek_v4.config import V4Config
+from hybridkv.model_executor.models.deepseek_v4.config import V4Config
 
 
 class ClampedSwiGLU(nn.Module):

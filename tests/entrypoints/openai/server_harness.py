@@ -11,9 +11,9 @@ from typing import Any
 
 import openai
 
-from engine.async_llm_engine import AsyncLLMEngine
-from engine.config import EngineConfig
-from entrypoints.openai.api_server import ServerSettings, build_app, start_server
+from hybridkv.engine.async_llm_engine import AsyncLLMEngine
+from hybridkv.engine.config import EngineConfig
+from hybridkv.entrypoints.openai.api_server import ServerSettings, build_app, start_server
 
 API_KEY = "test-key"
 MODEL = "tiny"

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from server_harness import MAX_MODEL_LEN, MODEL, sse_events
-from entrypoints import LLM, SamplingParams
+from hybridkv.entrypoints import LLM, SamplingParams
 
 PROMPTS = ["the quick brown fox", "a lighthouse keeper named Ada", "hybrid attention keeps"]
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick brown fox"}]

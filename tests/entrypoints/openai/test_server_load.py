@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from entrypoints import LLM, SamplingParams
+from hybridkv.entrypoints import LLM, SamplingParams
 from server_harness import API_KEY, MAX_MODEL_LEN, MODEL, launch
 
 WORDS = "the quick brown fox jumps over lazy dog a lighthouse keeper named Ada found hidden map".split()

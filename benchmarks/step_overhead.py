@@ -1,0 +1,147 @@
+"""Per-step overhead of the core: scheduler + block manager + attention metadata, model stubbed.
+
+Each configuration fills the shadow index with `cached` tokens (conversations of 1,024 tokens
+that share a 512-token system prompt, as a server's cache looks) in a pool sized like a
+long-running server's: full, so half of the new pages the measured steps need must be evicted
+from the cache. It admits `running` decode requests whose prompts hit that system prompt,
+prefills them (no model: the stub "computes" instantly), then times decode steps: schedule -> the runner's metadata for the step (block
+tables -> slot mappings, decode/prefill tiles) -> a fixed sampled token per request ->
+update_after_step (publish pages, release out-of-window pages, move locks). Allocation runs
+against the real pools, so windowed spaces (DeepSeek-V4's swa/state) evict as in steady state.
+
+Layouts: dense (one "full" space, page 16) and DeepSeek-V4's five spaces (page 128, window
+128, ratios 4/128). Prints µs per step; the last line is machine-readable:
+    RESULT us_per_step_256_100k=<float> growth_1m_vs_10k=<float>
+(dense layout, 256 running requests; growth = 1M-token figure / 10k-token figure).
+
+    python benchmarks/step_overhead.py [--steps 64] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from types import SimpleNamespace
+
+import torch
+
+from hybridkv.attention_backends.hybrid_metadata import HybridLayout, build_hybrid_metadata
+from hybridkv.attention_backends.metadata import build_attention_metadata
+from hybridkv.block_manager.kv_cache_manager import KVCacheManager
+from hybridkv.block_manager.space_spec import SpaceSpec
+from hybridkv.engine.request import Request
+from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.scheduler import Scheduler, SchedulerConfig
+from hybridkv.model_executor.model_runner import ModelRunner
+
+SYSTEM_PROMPT = 512
+CONVERSATION = 1024
+PROMPT_TAIL = 40  # each running request's own tokens after the system prompt
+MAX_MODEL_LEN = 4096
+
+
+def dense_layout():
+    return [SpaceSpec("full", 1, 2 * 2 * 16 * 4)], 16, None
+
+
+def v4_layout():
+    specs = [
+        SpaceSpec("swa", 1, 64, window=128),
+        SpaceSpec("c4", 4, 64),
+        SpaceSpec("c128", 128, 64),
+        SpaceSpec("indexer", 4, 32),
+        SpaceSpec("state", 1, 256, window=128),
+    ]
+    return specs, 128, HybridLayout(128, 128, 4, 128)
+
+
+def build(layout, cached_tokens: int, running: int, steps: int):
+    specs, P, hybrid = layout
+    # A long-running server's pool is full of cached pages: half of the pages the measured steps
+    # need are free, the other half must be evicted from the cache (so eviction cost is measured).
+    own = running * (-(-(SYSTEM_PROMPT + PROMPT_TAIL + 128) // P) - SYSTEM_PROMPT // P + 1)
+    new = running * (steps + 2) // P + running
+    whole_pages = -(-cached_tokens // P) + own + new // 2
+    pages = {}
+    for s in specs:
+        if s.windowed:  # windowed pools sized like the engine does: the windows of the running requests
+            pages[s.name] = running * s.max_live_pages(P, P) + 64
+        else:
+            pages[s.name] = whole_pages
+    kv = KVCacheManager(specs, pages, P, True, max_pages_per_request=MAX_MODEL_LEN // P + 1, max_requests=running)
+    system = [1] * SYSTEM_PROMPT
+    n_conv = max(1, cached_tokens // CONVERSATION)
+    for i in range(n_conv):  # distinct conversations after the shared system prompt
+        toks = system + [2 + i % 50000, 3 + i // 50000] * ((CONVERSATION - SYSTEM_PROMPT) // 2)
+        rid = f"warm{i}"
+        assert kv.allocate(rid, len(toks))
+        kv.commit(rid, toks, len(toks), prompt_done=True)
+        kv.retire(rid, toks, len(toks), turn_done=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=running, max_num_batched_tokens=1 << 20, max_model_len=MAX_MODEL_LEN), kv)
+    for r in range(running):
+        tail = [60000 + r] * (PROMPT_TAIL + r % 128)  # spread lengths: page crossings every step
+        sched.add(Request(f"r{r}", system + tail, SamplingParams(max_tokens=10_000), max_tokens=10_000))
+    runner = SimpleNamespace(kv=kv, windows={s.name: s.window for s in specs})
+    windows = runner.windows
+
+    def metadata(model_input):
+        items = sorted(model_input.sequences, key=lambda s: s.num_new_tokens != 1)
+        seqs = ModelRunner.step_sequences(runner, items)
+        if hybrid is not None:
+            return build_hybrid_metadata(seqs, hybrid)
+        return build_attention_metadata(seqs, windows, P)
+
+    def step():
+        out = sched.schedule()
+        metadata(out.model_input())
+        sched.update_after_step(out)
+        for s in out.scheduled:
+            if s.samples:
+                s.request.append_output_token(7)
+        return out
+
+    first = step()  # prefill every running request (mostly a hit on the system prompt)
+    assert len(first.scheduled) == running, "every request must be admitted"
+    return kv, sched, step
+
+
+def measure(layout, cached: int, running: int, steps: int) -> float:
+    kv, sched, step = build(layout, cached, running, steps)
+    step()  # warm
+    gc.collect()
+    gc.disable()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = step()
+        assert len(out.scheduled) == running and not out.preempted
+    dt = time.perf_counter() - t0
+    gc.enable()
+    for r in list(sched.running):
+        sched.finish(r, r.status)
+    kv.assert_idle()
+    return dt / steps * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="fewer configurations (1M cache, 256 requests only)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    caches = [10_000, 100_000, 1_000_000]
+    runnings = [256] if args.quick else [1, 64, 256]
+    results = {}
+    for name, layout in (("dense p16", dense_layout()), ("v4 p128", v4_layout())):
+        print(f"\n{name}: µs per step (scheduler + block manager + metadata; model stubbed)")
+        print(f"{'running':>8} " + " ".join(f"{c:>12,}" for c in caches) + "   1M/10k")
+        for running in runnings:
+            row = [measure(layout, c, running, args.steps) for c in caches]
+            results[(name, running)] = row
+            print(f"{running:>8} " + " ".join(f"{v:>12.0f}" for v in row) + f"   {row[2] / row[0]:.2f}x")
+    dense = results[("dense p16", 256)]
+    print(f"RESULT us_per_step_256_100k={dense[1]:.1f} growth_1m_vs_10k={dense[2] / dense[0]:.3f}")
+
+
+if __name__ == "__main__":
+    main()

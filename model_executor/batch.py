@@ -1,0 +1,58 @@
+"""The scheduled batch the model runner consumes, defined on the executor's side.
+
+The engine builds a ModelInput from its SchedulerOutput each step (its ScheduledRequests are
+ScheduledSequences, so the step's input is the scheduled list itself); the runner
+never sees engine types, so model_executor does not import engine. Lists are the engine's own
+(no copies): the runner only reads them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridkv.model_executor.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's work in a step: compute positions [start, start + num_new_tokens)."""
+
+    request_id: str
+    token_ids: list[int]  # the new tokens, one per computed position
+    start: int  # first position computed (= tokens already in the KV cache)
+    samples: bool  # the chunk reaches the last known token: sample the next one
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far (penalties read them)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and this chunk covers prompt positions."""
+        return self.params.prompt_logprobs is not None and self.start < self.num_prompt_tokens
+
+
+@dataclass
+class ModelInput:
+    sequences: list[ScheduledSequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.sequences)
+
+    @property
+    def empty(self) -> bool:
+        return not self.sequences

@@ -1,0 +1,107 @@
+"""The torch-native paged backend and its block-table metadata, against dense attention written
+from the definition: random page assignments, released (NULL_PAGE) pages of a windowed space,
+decodes mixed with prefill chunks, and tile sizes small enough that every path runs (one-tile
+decode, split-KV decode with the log-sum-exp merge, SDPA is_causal, single-shot tile mask,
+chunked online softmax). The pool outside the null page is NaN, standing in for the
+uninitialised memory of a torch.empty pool: a masked read of it would poison the output."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hybridkv.attention_backends.metadata import (
+    DEFAULT_TILES, StepSequences, TileSizes, build_attention_metadata,
+)
+from hybridkv.attention_backends.torch_native import TorchNativeAttention
+from hybridkv.block_manager.space_spec import NULL_PAGE, window_start
+
+P, H, HKV, D = 4, 4, 2, 8
+NUM_PAGES = 200  # real pages 1..NUM_PAGES; page 0 is the null page
+SMALL_TILES = TileSizes(kv_chunk=8, decode_tile_keys=24, prefill_q_tile=5, prefill_single_shot_keys=12)
+
+
+class _Step:
+    """One step: the block table rows, cached K/V for the positions before each chunk, and the
+    new tokens' q/k/v. Logical K/V per sequence and position are kept for the reference."""
+
+    def __init__(self, spans: list[tuple[int, int]], window: int | None, seed: int) -> None:
+        rng = random.Random(seed)
+        g = torch.Generator().manual_seed(seed)
+        self.spans, self.window = spans, window
+        pool = list(range(1, NUM_PAGES + 1))
+        rng.shuffle(pool)
+        self.k_cache = torch.full((HKV, (NUM_PAGES + 1) * P, D), float("nan"))
+        self.v_cache = torch.full((HKV, (NUM_PAGES + 1) * P, D), float("nan"))
+        self.k_cache[:, :P] = 0  # the null page
+        self.v_cache[:, :P] = 0
+        tables, self.logical = [], []
+        for start, n in spans:
+            end = start + n
+            table = [pool.pop() for _ in range(-(-end // P))]
+            for i in range(window_start(start, window) // P):  # released: out of the window
+                table[i] = NULL_PAGE
+            keys = torch.randn(end, HKV, D, generator=g)
+            vals = torch.randn(end, HKV, D, generator=g)
+            for t in range(window_start(start, window), start):  # what earlier steps wrote
+                slot = table[t // P] * P + t % P
+                self.k_cache[:, slot], self.v_cache[:, slot] = keys[t], vals[t]
+            tables.append(table)
+            self.logical.append((keys, vals))
+        self.seqs = StepSequences.from_page_lists([n for _, n in spans], [s + n for s, n in spans], {"full": tables})
+        self.q = torch.randn(sum(n for _, n in spans), H, D, generator=g)
+        self.k = torch.cat([k[s : s + n] for (s, n), (k, _) in zip(spans, self.logical)])
+        self.v = torch.cat([v[s : s + n] for (s, n), (_, v) in zip(spans, self.logical)])
+
+    def reference(self) -> torch.Tensor:
+        out, row = [], 0
+        for (start, n), (keys, vals) in zip(self.spans, self.logical):
+            for t in range(start, start + n):
+                lo = window_start(t, self.window)
+                k = keys[lo : t + 1].repeat_interleave(H // HKV, dim=1)  # [L, H, D]
+                v = vals[lo : t + 1].repeat_interleave(H // HKV, dim=1)
+                p = torch.softmax(torch.einsum("hd,lhd->hl", self.q[row], k) * D**-0.5, dim=-1)
+                out.append(torch.einsum("hl,lhd->hd", p, v))
+                row += 1
+        return torch.stack(out)
+
+
+# decodes first (one short, one long enough to split, one past its window), then prefill
+# chunks: from position 0, after a cached prefix, long with a long prefix
+SPANS = [(40, 1), (3, 1), (0, 1), (101, 1), (0, 12), (20, 15), (33, 40)]
+
+
+@pytest.mark.parametrize("window", [None, 7, 30])
+@pytest.mark.parametrize("tiles", [DEFAULT_TILES, SMALL_TILES], ids=["default_tiles", "small_tiles"])
+def test_backend_matches_dense_reference_over_random_pages(window, tiles):
+    step = _Step(SPANS, window, seed=0 if window is None else window)
+    meta = build_attention_metadata(step.seqs, {"full": window}, P, tiles)
+    got = TorchNativeAttention().forward(step.q, step.k, step.v, step.k_cache, step.v_cache, meta, "full", D**-0.5)
+    assert not got.isnan().any(), "a masked key read uninitialised (NaN) pool memory"
+    torch.testing.assert_close(got, step.reference(), atol=1e-5, rtol=1e-5)
+
+
+def test_small_tiles_exercise_every_path():
+    step = _Step(SPANS, None, seed=1)
+    sm = build_attention_metadata(step.seqs, {"full": None}, P, SMALL_TILES).spaces["full"]
+    assert sm.decode_split and len(sm.decode_tiles) > 1
+    assert max(t.slots.numel() for t in sm.decode_tiles) <= SMALL_TILES.decode_tile_keys
+    assert [p.own_kv for p in sm.prefills] == [True, False, False]
+
+
+def test_all_decodes_only_and_one_tile_fast_path():
+    step = _Step([(9, 1), (2, 1), (17, 1)], None, seed=2)
+    meta = build_attention_metadata(step.seqs, {"full": None}, P)
+    assert len(meta.spaces["full"].decode_tiles) == 1 and not meta.spaces["full"].decode_split
+    got = TorchNativeAttention().forward(step.q, step.k, step.v, step.k_cache, step.v_cache, meta, "full", D**-0.5)
+    torch.testing.assert_close(got, step.reference(), atol=1e-5, rtol=1e-5)
+
+
+def test_slot_mapping_writes_each_new_token_through_its_block_table_row():
+    step = _Step(SPANS, 7, seed=3)
+    sm = build_attention_metadata(step.seqs, {"full": 7}, P).spaces["full"]
+    table = step.seqs.block_tables["full"]
+    want = [int(table[i, t // P]) * P + t % P for i, (s, n) in enumerate(SPANS) for t in range(s, s + n)]
+    assert sm.slot_mapping.tolist() == want
+    assert min(want) >= P  # never the null page

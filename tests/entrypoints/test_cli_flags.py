@@ -1,0 +1,103 @@
+"""Every LLM(...) option has a command-line flag (except a short, documented exclusion list),
+and the parsed values reach the engine's config."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.llm_engine import LLMEngine
+from hybridkv.entrypoints import LLM
+from hybridkv.entrypoints.cli import CLI_EXCLUDED_LLM_KWARGS, build_parser, engine_kwargs, main
+
+
+def _llm_keywords() -> list[str]:
+    return [n for n in inspect.signature(LLM.__init__).parameters if n != "self"]
+
+
+def _flags(subcommand: str) -> set[str]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[subcommand]
+    return {s for a in sub._actions for s in a.option_strings}
+
+
+@pytest.mark.parametrize("subcommand", ["generate", "serve"])
+def test_every_llm_keyword_has_a_flag(subcommand):
+    flags = _flags(subcommand)
+    missing = [
+        n for n in _llm_keywords()
+        if n not in CLI_EXCLUDED_LLM_KWARGS and "--" + n.replace("_", "-") not in flags
+    ]
+    assert not missing, f"LLM(...) keywords without a `hybridkv {subcommand}` flag: {missing}"
+    # Security default: pickled weights can run code, so no flag turns them on.
+    assert "--allow-pickle-weights" not in flags
+
+
+def test_exclusions_are_real_keywords():
+    assert CLI_EXCLUDED_LLM_KWARGS <= set(_llm_keywords())
+
+
+def test_defaults_match_llm_defaults():
+    args = build_parser().parse_args(["generate"])
+    kwargs = engine_kwargs(args)
+    params = inspect.signature(LLM.__init__).parameters
+    for name, value in kwargs.items():
+        assert value == params[name].default, name
+    assert kwargs["block_size"] is None  # the model's default page size
+
+
+ARGV = [
+    "--dtype", "float32", "--max-model-len", "96", "--block-size", "32", "--max-num-seqs", "3",
+    "--max-num-batched-tokens", "80", "--no-enable-prefix-caching", "--seed", "5",
+    "--kv-cache-memory-bytes", str(4 << 20), "--scheduling-policy", "lpm", "--eviction-policy", "lfu",
+    "--no-windowed-match", "--attention-backend", "torch_native",
+]
+EXPECTED = dict(
+    dtype="float32", max_model_len=96, block_size=32, max_num_seqs=3, max_num_batched_tokens=80,
+    enable_prefix_caching=False, seed=5, kv_cache_memory_bytes=4 << 20, scheduling_policy="lpm",
+    eviction_policy="lfu", windowed_match=False,
+)
+
+
+def test_parsed_values_reach_the_engine_config(tiny_ckpt, monkeypatch, capsys):
+    """`hybridkv generate` with every engine flag set: the engine is built from exactly those values."""
+    configs: list[EngineConfig] = []
+    original = LLMEngine.__init__
+
+    def recording_init(self, config: EngineConfig) -> None:
+        configs.append(config)
+        original(self, config)
+
+    monkeypatch.setattr(LLMEngine, "__init__", recording_init)
+    path = tiny_ckpt("llama")
+    assert main(["generate", "the quick brown", "--model", path, "--max-tokens", "2", *ARGV]) == 0
+    (config,) = configs
+    assert config.model == path
+    for name, value in EXPECTED.items():
+        assert getattr(config, name) == value, name
+    if "attention_backend" in {f.name for f in dataclasses.fields(EngineConfig)}:
+        assert config.attention_backend == "torch_native"
+    assert "### the quick brown" in capsys.readouterr().out
+
+
+def test_every_flag_set_reaches_the_serve_config():
+    """serve builds an EngineConfig from the same engine_kwargs."""
+    args = build_parser().parse_args(["serve", "some/model", *ARGV])
+    config = EngineConfig(model=args.model_tag, **engine_kwargs(args))
+    for name, value in EXPECTED.items():
+        assert getattr(config, name) == value, name
+
+
+def test_chat_template_file_is_read(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    args = build_parser().parse_args(["generate", "--chat-template", str(template)])
+    assert engine_kwargs(args)["chat_template"] == "{{ messages[0]['content'] }}"
+
+
+def test_unknown_policy_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--scheduling-policy", "random"])
+    assert "invalid choice" in capsys.readouterr().err
