@@ -134,54 +134,67 @@ def _masked(slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def _plan(
     seqs: StepSequences, layout: HybridLayout, ratio: int, overlap: bool, out_spaces: list[str]
 ) -> CompressionPlan:
+    """Every window that closes this step, for every sequence at once (no per-sequence loop)."""
     P = layout.page_size
     rows = (2 if overlap else 1) * ratio
-    row_slots, row_valid, positions = [], [], []
-    out: dict[str, list[torch.Tensor]] = {s: [] for s in out_spaces}
-    for i, (q, c) in enumerate(zip(seqs.query_lens, seqs.context_lens)):
-        s = c - q
-        w = torch.arange(s // ratio, c // ratio)  # windows whose last token is new this step
-        if w.numel() == 0:
-            continue
-        first = w * ratio - (ratio if overlap else 0)
-        pos = first[:, None] + torch.arange(rows)[None, :]
-        valid = pos >= 0
-        state = seqs.block_tables[STATE][i]
-        slots = _token_slots(state, pos.clamp(min=0), P)
-        page = state[(pos.clamp(min=0) // P).clamp(max=state.numel() - 1)]
-        if bool(((page == NULL_PAGE) & valid).any()):
-            raise AssertionError("compression needs state rows from a released page; the state window is too small")
-        row_slots.append(_masked(slots, valid))
-        row_valid.append(valid)
-        positions.append(w * ratio)
-        for space in out_spaces:
-            out[space].append(_entry_slots(seqs.block_tables[space][i], w, P // ratio))
-    if not positions:
+    ctx = torch.tensor(seqs.context_lens)
+    lo = (ctx - torch.tensor(seqs.query_lens)) // ratio
+    count = ctx // ratio - lo  # windows whose last token is new this step, per sequence
+    total = int(count.sum())
+    if total == 0:
         empty = torch.empty(0, dtype=torch.long)
         return CompressionPlan(ratio, overlap, torch.empty(0, rows, dtype=torch.long),
                                torch.empty(0, rows, dtype=torch.bool), empty, {s: empty for s in out_spaces})
-    return CompressionPlan(
-        ratio, overlap, torch.cat(row_slots), torch.cat(row_valid), torch.cat(positions),
-        {s: torch.cat(v) for s, v in out.items()},
-    )
+    seq = torch.repeat_interleave(torch.arange(ctx.shape[0]), count)
+    w = lo[seq] + torch.arange(total) - (torch.cumsum(count, 0) - count)[seq]
+    pos = (w * ratio - (ratio if overlap else 0))[:, None] + torch.arange(rows)[None, :]
+    valid = pos >= 0
+    state = seqs.block_tables[STATE]
+    clamped = pos.clamp(min=0)
+    page = state[seq[:, None], (clamped // P).clamp(max=state.shape[1] - 1)]
+    if bool(((page == NULL_PAGE) & valid).any()):
+        raise AssertionError("compression needs state rows from a released page; the state window is too small")
+    row_slots = _masked(page * P + clamped % P, valid)
+    spp = P // ratio
+    out = {}
+    for space in out_spaces:
+        table = seqs.block_tables[space]
+        out[space] = table[seq, (w // spp).clamp(max=table.shape[1] - 1)] * spp + w % spp
+    return CompressionPlan(ratio, overlap, row_slots, valid, w * ratio, out)
 
 
-def _decode_block(seqs: StepSequences, layout: HybridLayout, lo: int, hi: int, row0: int) -> QueryBlock:
+def _decode_blocks(seqs: StepSequences, layout: HybridLayout, nd: int) -> list[QueryBlock]:
+    """The nd one-query sequences, in blocks of DECODE_BLOCK_SEQS: slots and masks are built for
+    all of them with one set of tensor ops, then sliced per block (each block's entry lists are
+    trimmed to its own longest, so a long request pads only its own block)."""
     P, W = layout.page_size, layout.window
-    pos = torch.tensor(seqs.context_lens[lo:hi]) - 1  # [B] the single query of each sequence
+    pos = torch.tensor(seqs.context_lens[:nd]) - 1  # [nd] the single query of each sequence
     kpos = window_start(pos, W)[:, None] + torch.arange(W)[None, :]  # at most W keys per query
     valid = kpos <= pos[:, None]
-    swa_table = seqs.block_tables[SWA][lo:hi]
-    swa = KeySet(_masked(_token_slots(swa_table, kpos, P), valid), valid)
+    swa = _masked(_token_slots(seqs.block_tables[SWA][:nd], kpos, P), valid), valid
     entries = {}
+    shared: dict[int, tuple] = {}  # ratio -> (count, ok, page index, offset): c4 and indexer share it
     for space, ratio in layout.compressed_spaces().items():
-        count = (pos + 1) // ratio
-        n = int(count.max())
-        w = torch.arange(n)[None, :].expand(len(pos), n)
-        valid = w < count[:, None]
-        slots = _masked(_entry_slots(seqs.block_tables[space][lo:hi], w, P // ratio), valid) if n else w
-        entries[space] = KeySet(slots, valid)
-    return QueryBlock(row0, row0 + (hi - lo), swa, entries)
+        if ratio not in shared:
+            count = (pos + 1) // ratio
+            n = int(count.max())
+            w = torch.arange(n)  # entry index, the same for every query: 1-D arithmetic, then broadcast
+            spp = P // ratio
+            shared[ratio] = (count, w[None, :] < count[:, None], w // spp, w % spp, spp)
+        count, ok, pidx, off, spp = shared[ratio]
+        table = seqs.block_tables[space][:nd]
+        page = table.index_select(1, pidx.clamp(max=table.shape[1] - 1))  # [nd, n]
+        slots = _masked(page * spp + off[None, :], ok)
+        entries[space] = (slots, ok, count)
+    blocks = []
+    for lo in range(0, nd, DECODE_BLOCK_SEQS):
+        hi = min(nd, lo + DECODE_BLOCK_SEQS)
+        blk = QueryBlock(lo, hi, KeySet(swa[0][lo:hi], swa[1][lo:hi]))
+        for space, (slots, ok, count) in entries.items():
+            width = int(count[lo:hi].max())
+            blk.entries[space] = KeySet(slots[lo:hi, :width], ok[lo:hi, :width])
+        blocks.append(blk)
+    return blocks
 
 
 def _prefill_blocks(seqs: StepSequences, layout: HybridLayout, i: int, row0: int) -> list[QueryBlock]:
@@ -231,7 +244,7 @@ def build_hybrid_metadata(seqs: StepSequences, layout: HybridLayout) -> HybridAt
     if layout.hca_ratio:
         plans["hca"] = _plan(seqs, layout, layout.hca_ratio, False, [C128])
     nd = seqs.num_decodes
-    blocks = [_decode_block(seqs, layout, lo, min(nd, lo + DECODE_BLOCK_SEQS), lo) for lo in range(0, nd, DECODE_BLOCK_SEQS)]
+    blocks = _decode_blocks(seqs, layout, nd) if nd else []
     row = nd
     for i in range(nd, len(seqs.query_lens)):
         blocks.extend(_prefill_blocks(seqs, layout, i, row))

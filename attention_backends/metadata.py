@@ -181,11 +181,16 @@ def _decode_tiles(
     n = seq.shape[0]
     pidx = item_page[:, None] + torch.arange(longest, dtype=torch.int32)[None, :]  # [N, longest]
     page = table[seq[:, None], pidx.clamp(max=table.shape[1] - 1)].to(torch.int32)
-    kpos = (item_page * P)[:, None] + torch.arange(longest * P, dtype=torch.int32)[None, :]
-    valid = (kpos >= kstart[seq, None]) & (kpos <= pos[seq, None])
+    # Validity from each item's own offsets: one broadcast compare per bound (positions are
+    # never materialised), and none for the lower bound without a window.
+    rel = torch.arange(longest * P, dtype=torch.int32)[None, :]  # key offset inside the item
+    base = item_page * P  # position of each item's first key
+    valid = rel <= (pos[seq] - base)[:, None]
+    if window is not None:
+        valid &= rel >= (kstart[seq] - base)[:, None]
     offsets = torch.arange(P, dtype=torch.int32)
     slots = ((page * P).unsqueeze(-1) + offsets).view(n, -1)  # [N, longest * P]
-    slots.mul_(valid)  # NULL_SLOT is 0: every invalid key now reads the null page
+    slots = torch.where(valid, slots, NULL_SLOT)  # every invalid key reads the null page
     tiles = [DecodeTile(seq[a:b], slots[a:b, : w * P], valid[a:b, : w * P]) for a, b, w in groups]
     return tiles, split
 

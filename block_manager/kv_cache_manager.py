@@ -303,7 +303,7 @@ class KVCacheManager:
             return
         start = req.num_inserted_pages
         res = self.index.insert(
-            token_ids[: full * self.page_size],
+            token_ids,  # not sliced: a copy would cost the whole context; _Tail bounds the pages read
             {name: _Tail(table, start, full) for name, table in req.tables.items()},
             req.namespace,
             start=req.anchor,
