@@ -62,7 +62,7 @@ def test_step_metadata_comes_from_the_block_tables(llm):
     for i, n in enumerate((3, 17, 40)):
         eng.add_request(f"r{i}", {"prompt_token_ids": _prompt(n, vocab, i)}, GREEDY)
     eng.step()
-    batch = eng._model_input(eng.scheduler.schedule())
+    batch = eng.scheduler.schedule().model_input()
     seqs = eng.runner.step_sequences(batch.sequences)
     for s, row in zip(batch.sequences, seqs.block_tables["full"]):
         pages = kv.page_table(s.request_id, "full")
