@@ -89,7 +89,7 @@ def build(layout, cached_tokens: int, running: int, steps: int):
     windows = runner.windows
 
     def metadata(model_input):
-        items = sorted(model_input.sequences, key=lambda s: s.num_new_tokens != 1)
+        items = sorted(model_input.sequences, key=lambda s: s.end - s.start != 1)
         seqs = ModelRunner.step_sequences(runner, items)
         if hybrid is not None:
             return build_hybrid_metadata(seqs, hybrid)

@@ -45,8 +45,9 @@ class ScheduledRequest(ScheduledSequence):
     @classmethod
     def of(cls, req: Request, start: int, n: int) -> "ScheduledRequest":
         toks = req.all_token_ids
+        end = start + n
         return cls(
-            req.request_id, toks[start : start + n], start, start + n == len(toks), req.params, req.generator,
+            req.request_id, toks[start:end], start, end, end == len(toks), req.params, req.generator,
             req.prompt_token_ids, req.output_token_ids, req,
         )
 
@@ -170,7 +171,7 @@ class Scheduler:
         commit = self.kv.commit
         for s in out.scheduled:
             req = s.request
-            end = req.num_computed_tokens = s.start + s.num_new_tokens
+            end = req.num_computed_tokens = s.end
             # The prompt's end is marked as a likely match point: its siblings/retries match there.
             prompt_done = not req.output_token_ids and end == len(req.prompt_token_ids)
             commit(req.request_id, req.all_token_ids, end, prompt_done)

@@ -14,13 +14,14 @@ import torch
 from hybridkv.model_executor.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)
 class ScheduledSequence:
-    """One sequence's work in a step: compute positions [start, start + num_new_tokens)."""
+    """One sequence's work in a step: compute positions [start, end)."""
 
     request_id: str
     token_ids: list[int]  # the new tokens, one per computed position
     start: int  # first position computed (= tokens already in the KV cache)
+    end: int  # start + len(token_ids): plain fields, read several times per sequence per step
     samples: bool  # the chunk reaches the last known token: sample the next one
     params: SamplingParams
     generator: torch.Generator | None
@@ -29,11 +30,7 @@ class ScheduledSequence:
 
     @property
     def num_new_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_new_tokens
+        return self.end - self.start
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -118,12 +118,12 @@ class ModelRunner:
         for name in self.windows:
             bt = kv.block_tables[name]
             tables[name] = bt.rows(rows, min(pages, bt.width))
-        return StepSequences([s.num_new_tokens for s in items], ctx, tables)
+        return StepSequences([s.end - s.start for s in items], ctx, tables)
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> RunnerOutput:
         # One-token chunks first: they form the batched decode group of the backend.
-        items = sorted(batch.sequences, key=lambda s: s.num_new_tokens != 1)
+        items = sorted(batch.sequences, key=lambda s: s.end - s.start != 1)
         seqs = self.step_sequences(items)
         meta = self.model.build_attention_metadata(seqs, self.windows, self.kv.page_size)
         if self.debug_checks:
