@@ -92,7 +92,6 @@ class KVCacheManager:
             else None
         )
         self._requests: dict[str, RequestPages] = {}
-        self._rows = BlockTable(1, max_requests)  # row allocator shared by every space's table
         # Counters for metrics (tokens).
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -202,7 +201,7 @@ class KVCacheManager:
             return False
         if req is None:
             req = RequestPages(
-                tables={name: [] for name in self.spaces}, row=self._rows.add_row(),
+                tables={name: [] for name in self.spaces}, row=self._add_row(),
                 namespace=namespace, priority=priority,
             )
             self._requests[request_id] = req
@@ -232,6 +231,14 @@ class KVCacheManager:
             for name, spec in self.specs.items()
         )
         return True
+
+    def _add_row(self) -> int:
+        """One row for a new request in every space's BlockTable. The tables are created alike and
+        see the same add/free sequence, so they hand out (and grow to) the same row."""
+        rows = {bt.add_row() for bt in self.block_tables.values()}
+        if len(rows) != 1:
+            raise AssertionError(f"block tables disagree on the next row: {sorted(rows)}")
+        return rows.pop()
 
     def _extend(self, req: RequestPages, space: str, pages: list[int]) -> None:
         req.tables[space].extend(pages)
@@ -379,7 +386,6 @@ class KVCacheManager:
                     space.decref(page)
             table.clear()
             self.block_tables[name].free_row(req.row)
-        self._rows.free_row(req.row)
 
     # -- introspection ---------------------------------------------------------------------
     def page_table(self, request_id: str, space: str) -> list[int]:

@@ -195,3 +195,19 @@ def test_block_table_rows_recycled_before_a_flush_keep_the_last_write():
     kv.check_invariants()
     kv.free("last")
     kv.assert_idle()
+
+
+def test_more_requests_than_the_block_tables_first_rows():
+    """The tables start with max_requests rows and grow together: request 40 of a manager sized
+    for 4 gets a row in every space, and its table row reads its pages."""
+    kv = KVCacheManager([FULL, SWA], {"full": 200, "swa": 200}, P, True, max_requests=4)
+    for i in range(40):
+        assert kv.allocate(f"r{i}", 9)
+    for i in range(40):
+        for name in ("full", "swa"):
+            row = kv.block_tables[name].tensor[kv.row_of(f"r{i}"), :3].tolist()
+            assert row == kv.page_table(f"r{i}", name)
+    kv.check_invariants()
+    for i in range(40):
+        kv.free(f"r{i}")
+    kv.assert_idle()
