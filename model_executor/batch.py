@@ -44,12 +44,6 @@ class ScheduledSequence:
 
 @dataclass
 class ModelInput:
+    """One step's work for the runner (the engine's SchedulerOutput says how much and what else)."""
+
     sequences: list[ScheduledSequence] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.sequences)
-
-    @property
-    def empty(self) -> bool:
-        return not self.sequences
