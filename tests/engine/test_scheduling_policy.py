@@ -156,9 +156,9 @@ def _count_computed_tokens(llm: LLM) -> list[int]:
     steps: list[int] = []
     original = runner.execute
 
-    def execute(sched):
-        steps.append(sched.num_batched_tokens)
-        return original(sched)
+    def execute(batch):
+        steps.append(sum(s.num_new_tokens for s in batch.sequences))
+        return original(batch)
 
     runner.execute = execute
     return steps
