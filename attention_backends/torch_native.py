@@ -126,9 +126,18 @@ class TorchNativeAttention:
                 out[a:b] = o[0].transpose(0, 1)
             else:
                 out[a:b] = _chunked_prefill_tile(
-                    qt, p.start + a, k_cache, v_cache, p, k0, k1, window, scale, sizes.kv_chunk
+                    qt, p.start + a, k_cache, v_cache, p, k0, k1, window, scale, _key_chunk(b - a, sizes)
                 )
         return out
+
+
+def _key_chunk(queries: int, sizes: TileSizes) -> int:
+    """Keys per online-softmax step of a prefill tile: kv_chunk for a full tile, more for a short
+    one (its scores stay no larger than a full tile's, its gathered K/V no larger than a decode
+    tile's). A short chunk late in a long context, as chunked prefill beside running streams
+    produces, then walks its keys in one or two steps instead of one per kv_chunk keys."""
+    scaled = sizes.kv_chunk * sizes.prefill_q_tile // max(1, queries)
+    return max(sizes.kv_chunk, min(scaled, sizes.decode_tile_keys))
 
 
 def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -40,6 +41,16 @@ class EngineDeadError(RuntimeError):
 
 class RequestAbortedError(RuntimeError):
     """Raised in a stream whose request was aborted by someone other than its own consumer."""
+
+
+class EngineQueueFullError(RuntimeError):
+    """add_requests() refused: the waiting queue already holds `max_queued_requests` sequences.
+
+    The server answers 503 with `Retry-After: retry_after` (seconds); nothing was added."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 # -- snapshot for metrics ---------------------------------------------------------------------------
@@ -81,6 +92,10 @@ class EngineSnapshot:
     generation_tokens: int = 0
     num_steps: int = 0
     page_size: int = 0  # tokens per page, shared by all spaces
+    num_lock_receipts: int = 0  # prefix-cache locks held by requests (0 when idle)
+    # Admission (AsyncLLMEngine): the waiting-queue limit in sequences, and adds it refused.
+    max_queued_requests: int | None = None
+    num_rejected_queue_full: int = 0
 
     @classmethod
     def capture(cls, engine: LLMEngine) -> "EngineSnapshot":
@@ -103,6 +118,7 @@ class EngineSnapshot:
             generation_tokens=engine.stats.get("generation_tokens", 0),
             num_steps=engine.stats.get("steps", 0),
             page_size=page,
+            num_lock_receipts=kv.index.num_live_receipts if kv.index is not None else 0,
         )
 
 
@@ -113,6 +129,7 @@ class GenerateRequest:
     prompt: PromptType
     params: SamplingParams
     cache_salt: str | None = None
+    interactive: bool = True  # a client watches its tokens arrive (see LLMEngine.add_request)
 
 
 _Item = RequestOutput | BaseException
@@ -204,7 +221,15 @@ _Command = _Add | _Abort | _Call | _Stop
 class AsyncLLMEngine:
     """Runs `engine` on a background thread; all public methods are safe from any thread/loop."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None) -> None:
+        """max_queued_requests: most sequences (prompts x n) that may wait for admission; an add
+        that would go past it fails with EngineQueueFullError (None = unbounded). An add into an
+        empty queue always goes through, so a request within the per-request limits is never
+        refused forever."""
+        if max_queued_requests is not None and max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1 or None, got {max_queued_requests}")
+        self.max_queued_requests = max_queued_requests
+        self.num_rejected_queue_full = 0  # engine thread writes, metrics read (an int: atomic)
         self.engine = engine  # owned by the engine thread from here on; use call() to inspect it
         self.tokenizer = engine.tokenizer  # read-only use (encode/decode) is safe across threads
         self.max_model_len = engine.max_model_len
@@ -221,8 +246,8 @@ class AsyncLLMEngine:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
-        return cls(LLMEngine(config))
+    def from_config(cls, config: EngineConfig, max_queued_requests: int | None = None) -> "AsyncLLMEngine":
+        return cls(LLMEngine(config), max_queued_requests)
 
     # -- health ------------------------------------------------------------------------------------
     @property
@@ -409,12 +434,25 @@ class AsyncLLMEngine:
             if self._dead_error is not None:
                 cmd.done.set_exception(EngineDeadError(f"engine died: {self._dead_error!r}"))
                 return
+            waiting = engine.scheduler.num_waiting
+            new = sum(r.params.n for r in cmd.requests)
+            limit = self.max_queued_requests
+            if limit is not None and waiting and waiting + new > limit:
+                self.num_rejected_queue_full += 1
+                cmd.done.set_exception(EngineQueueFullError(
+                    f"The server is overloaded: {waiting} sequences are waiting and this request adds {new} "
+                    f"(the limit is {limit}); retry later."))
+                return
+            # One fairness key per add (one client request, however many prompts and samples):
+            # admission takes waiting sequences round-robin across keys.
+            client = cmd.requests[0].request_id if cmd.requests else None
             added: list[str] = []
             try:
                 for r in cmd.requests:
                     if r.request_id in self._sinks:
                         raise ValueError(f"request id {r.request_id!r} is already in use")
-                    engine.add_request(r.request_id, r.prompt, r.params, r.cache_salt)
+                    engine.add_request(r.request_id, r.prompt, r.params, r.cache_salt, client_id=client,
+                                       interactive=r.interactive)
                     self._sinks[r.request_id] = cmd.sink
                     added.append(r.request_id)
             except Exception as e:  # noqa: BLE001 - validation errors go back to the caller
@@ -466,7 +504,10 @@ class AsyncLLMEngine:
 
     def _publish(self) -> None:
         try:
-            self._snapshot = EngineSnapshot.capture(self.engine)
+            self._snapshot = dataclasses.replace(
+                EngineSnapshot.capture(self.engine), max_queued_requests=self.max_queued_requests,
+                num_rejected_queue_full=self.num_rejected_queue_full,
+            )
         except Exception:  # noqa: BLE001 - metrics must never take the engine down
             logger.exception("could not capture engine snapshot")
 

@@ -17,6 +17,10 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # None = enough for max_num_seqs full-length sequences, capped at 2 GiB
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None = max(2048, max_model_len)
+    # While requests decode, size prefill chunks so a step's estimated time stays under this
+    # (seconds): a long prompt cannot freeze running streams. None = the token budget alone
+    # (offline default, for throughput); `hybridkv serve` defaults to 0.25.
+    target_step_seconds: float | None = None
     allow_pickle_weights: bool = False
     attention_backend: str = "torch_native"  # hybridkv.attention_backends.registry names
     chat_template: str | None = None
@@ -30,6 +34,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.target_step_seconds is not None and not self.target_step_seconds > 0:
+            raise ValueError(f"target_step_seconds must be > 0 or None, got {self.target_step_seconds}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
 

@@ -136,7 +136,9 @@ class LLMEngine:
             )
         self.runner.bind_kv_cache(self.kv)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, budget, self.max_model_len, config.scheduling_policy), self.kv
+            SchedulerConfig(config.max_num_seqs, budget, self.max_model_len, config.scheduling_policy,
+                            config.target_step_seconds),
+            self.kv, self.runner.step_cost,
         )
         self._groups: dict[str, _Group] = {}
         self._request_to_group: dict[str, _Group] = {}
@@ -240,7 +242,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        client_id: Any = None,
+        interactive: bool = True,
     ) -> str:
+        """client_id: the fairness key admission round-robins over (default: request_id); give
+        several requests the same key when they come from one client request (a prompt batch).
+        interactive: someone watches this request's tokens arrive (a stream); only such decodes
+        hold prefill chunks to the step-time target (config.target_step_seconds)."""
         params = params or SamplingParams()
         if request_id is None:
             request_id = str(next(self._counter))
@@ -257,6 +265,11 @@ class LLMEngine:
                 f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} in the "
                 f"completion). Reduce the prompt or max_tokens."
             )
+        if params.min_tokens > room:
+            raise ValueError(
+                f"min_tokens={params.min_tokens} cannot be generated: this model's maximum context length is "
+                f"{self.max_model_len} tokens and the prompt has {len(ids)}, which leaves room for {room}."
+            )
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         children, detoks = [], {}
         for i in range(params.n):
@@ -266,7 +279,8 @@ class LLMEngine:
                 set() if params.ignore_eos else self.eos_token_ids
             )
             child_id = self._new_sequence_id(request_id, i)
-            req = Request(child_id, ids, child_params, max_tokens, namespace=cache_salt, priority=priority)
+            req = Request(child_id, ids, child_params, max_tokens, namespace=cache_salt, priority=priority,
+                          client_id=request_id if client_id is None else client_id, interactive=interactive)
             req.index = i
             children.append(req)
             detoks[child_id] = IncrementalDetokenizer(self.tokenizer, ids, child_params)
@@ -325,6 +339,7 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
@@ -332,7 +347,10 @@ class LLMEngine:
         self.scheduler.update_after_step(sched)
         self.stats["steps"] += 1
         touched = self._process(sched, result)
-        return [o for o in (self._make_output(g) for g in touched) if o is not None]
+        outputs = [o for o in (self._make_output(g) for g in touched) if o is not None]
+        # The whole step, as a stream sees it between two tokens (the latency target's unit).
+        self.scheduler.observe_step(sched, time.perf_counter() - t0)
+        return outputs
 
     def _process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[_Group]:
         now = time.monotonic()

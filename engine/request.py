@@ -34,6 +34,12 @@ class Request:
     namespace: Hashable = None  # prefix-cache namespace (cache salt / LoRA)
     index: int = 0  # which of the user's n samples this sequence is
     priority: int = 0  # higher = its cached pages are evicted later (eviction_policy="priority")
+    # Fairness key: sequences with the same key came from one client request (its prompts x n);
+    # admission is round-robin across keys, so one large request cannot hold others back.
+    client_id: Hashable = None
+    # A client watches the tokens arrive (a stream): its decodes hold prefill chunks to the
+    # step-time target. A whole (non-streaming) response waits for its last token anyway.
+    interactive: bool = True
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -3,7 +3,17 @@
 Each step hands out at most `max_num_batched_tokens` tokens: running requests first (one
 token per decoding request, the next chunk for a request still in prefill), then waiting
 requests in the order of the scheduling policy (engine/scheduling_policy.py: fcfs, lpm,
-dfs-weight), each admitted with its prefix-cache hit. A request whose pages
+dfs-weight), each admitted with its prefix-cache hit.
+
+Latency target (`target_step_seconds`, the server's default): while any interactive (streamed)
+request is decoding, a
+step's prefill chunks are sized so that the step's estimated time stays under the target (FLOPs
+from the model's StepCost, seconds per FLOP learnt by engine/step_timer.py). A long prompt then
+arrives in many short chunks instead of freezing every stream for one long step; without
+decodes (nobody is waiting for a token) the token budget alone applies, for throughput. One
+prefill chunk of at least `min_prefill_chunk` tokens always runs, so prefill never starves.
+
+A request whose pages
 cannot be allocated preempts the most recently admitted running request (recompute: its
 pages go back, computed whole pages stay in the prefix cache, and it later resumes by
 prefilling prompt + outputs so far, mostly from cache).
@@ -17,7 +27,9 @@ from dataclasses import dataclass, field
 from hybridkv.block_manager.kv_cache_manager import KVCacheManager
 from hybridkv.engine.request import Request, RequestStatus
 from hybridkv.engine.scheduling_policy import SchedulingPolicy
+from hybridkv.engine.step_timer import StepTimer
 from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
+from hybridkv.model_executor.step_cost import StepCost
 
 
 @dataclass
@@ -26,8 +38,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     policy: str = "fcfs"
+    target_step_seconds: float | None = None  # None: the token budget alone sizes prefill chunks
+    min_prefill_chunk: int = 4  # tokens; the prefill progress every step makes at least
 
     def __post_init__(self) -> None:
+        if self.target_step_seconds is not None and not self.target_step_seconds > 0:
+            raise ValueError(f"target_step_seconds must be > 0 or None, got {self.target_step_seconds}")
+        if self.min_prefill_chunk < 1:
+            raise ValueError(f"min_prefill_chunk must be >= 1, got {self.min_prefill_chunk}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -56,6 +74,9 @@ class ScheduledRequest(ScheduledSequence):
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    estimated_flops: float = 0.0  # priced only when the scheduler has a latency target
+    estimated_reads: float = 0.0  # K/V read once per chunk (StepCost.chunk_reads units)
+    computed_prefill: bool = False  # some chunk computed more than one token
 
     @property
     def num_batched_tokens(self) -> int:
@@ -71,9 +92,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, step_cost: StepCost | None = None) -> None:
+        if config.target_step_seconds is not None and step_cost is None:
+            raise ValueError("a target_step_seconds needs the model's step_cost to price chunks")
         self.config = config
         self.kv = kv
+        self.step_cost = step_cost
+        self.timer = StepTimer(config.target_step_seconds) if config.target_step_seconds is not None else None
+        # Per step, while watched requests decode: seconds left for prefill chunks (None = no limit).
+        self._seconds_left: float | None = None
+        self._floor_used = False  # this step's guaranteed min_prefill_chunk went to someone
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -98,6 +126,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         now = time.monotonic()
+        if self.timer is not None:
+            self._start_pricing(out)
 
         i = 0
         allocate, scheduled = self.kv.allocate, out.scheduled  # hot loop: one pass per running request
@@ -105,6 +135,11 @@ class Scheduler:
             req = self.running[i]
             start, total = req.num_computed_tokens, len(req.all_token_ids)
             n = min(total - start, budget)
+            if self.timer is not None and (total - start > 1 or not req.output_token_ids):  # not a decode
+                n = self._price_chunk(start, n, total, out)
+                if n == 0:  # over this step's latency budget: it continues next step
+                    i += 1
+                    continue
             while not allocate(req.request_id, start + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -139,7 +174,9 @@ class Scheduler:
             hit = self.kv.match_prefix(req.all_token_ids, req.namespace, touch=False)
             req.num_computed_tokens = hit.num_tokens
         n = min(req.num_tokens - req.num_computed_tokens, budget)
-        if not self.kv.allocate(
+        if self.timer is not None:
+            n = self._price_chunk(req.num_computed_tokens, n, req.num_tokens, out)
+        if n == 0 or not self.kv.allocate(
             req.request_id, req.num_computed_tokens + n, hit, req.namespace, req.priority, touch_hit=True
         ):
             req.num_computed_tokens = 0
@@ -155,6 +192,53 @@ class Scheduler:
         self.running.append(req)
         out.scheduled.append(ScheduledRequest.of(req, req.num_computed_tokens, n))
         return True
+
+    # -- latency target ------------------------------------------------------------------------
+    def _start_pricing(self, out: SchedulerOutput) -> None:
+        """Price this step's decodes (O(1) per running request) and set the seconds left for
+        prefill chunks; no limit unless an interactive (streamed) request decodes."""
+        n = context = 0
+        watched = False
+        for r in self.running:
+            computed = r.num_computed_tokens
+            if r.output_token_ids and len(r.all_token_ids) - computed == 1:
+                n += 1
+                context += computed
+                watched = watched or r.interactive
+        self._floor_used = False
+        cost = self.step_cost
+        flops = cost.decode_flops(n, context) if n else 0.0
+        out.estimated_flops = flops
+        out.estimated_reads = max(0.0, flops - n * (cost.flops_per_token + cost.flops_per_sample))  # its attention
+        self._seconds_left = (self.config.target_step_seconds - self.timer.seconds(flops, out.estimated_reads)
+                              if watched else None)
+
+    def _price_chunk(self, start: int, n: int, total: int, out: SchedulerOutput) -> int:
+        """How many of n prefill tokens from `start` (of `total` known) fit this step; charges
+        them to the step."""
+        cost, timer = self.step_cost, self.timer
+        if self._seconds_left is not None:
+            sample = timer.seconds_per_flop * cost.flops_per_sample if start + n == total else 0.0
+            fit = cost.max_chunk(start, n, self._seconds_left - sample, timer.seconds_per_flop, timer.seconds_per_read)
+            if fit < min(n, self.config.min_prefill_chunk) and not self._floor_used:
+                fit = min(n, self.config.min_prefill_chunk)  # the one chunk that always runs
+            if fit == 0:
+                return 0
+            self._floor_used = True
+            n = fit
+        flops = cost.chunk_flops(start, n, samples=start + n == total)
+        reads = cost.chunk_reads(start, n)
+        if self._seconds_left is not None:
+            self._seconds_left -= timer.seconds_per_flop * flops + timer.seconds_per_read * reads
+        out.estimated_flops += flops
+        out.estimated_reads += reads
+        out.computed_prefill = True
+        return n
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The wall time of a step this scheduler planned (the timer learns from it)."""
+        if self.timer is not None:
+            self.timer.observe(out.estimated_flops, seconds, out.computed_prefill, out.estimated_reads)
 
     def _preempt(self, req: Request) -> None:
         # Computed whole pages go to the prefix cache first, so the resume is mostly a hit.

@@ -1,6 +1,8 @@
 """Which waiting requests the scheduler tries to admit first (SGLang's schedule_policy, our code).
 
-  fcfs        arrival order (cache-agnostic; no prefix matching while ordering)
+  fcfs        arrival order of client requests, round-robin between them: the sequences of one
+              request (its prompts x n) take turns with other requests' sequences, so a
+              request that fans out into hundreds cannot hold a later one back (cache-agnostic)
   lpm         longest cached prefix first: requests that compute the least go first
   dfs-weight  depth-first over the prefix tree, heavier subtrees (more waiting requests whose
               hit ends inside them) first, so requests sharing a prefix run back to back
@@ -20,6 +22,7 @@ outputs, only the order.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
@@ -37,6 +40,25 @@ class ScheduleOrder:
     requests: list[Request]
     deferred: set[str] = field(default_factory=set)  # request ids
     hits: dict[str, int] = field(default_factory=dict)  # request id -> cached tokens at ordering time
+
+
+def round_robin(reqs: list[Request]) -> list[Request]:
+    """Interleave sequences by client request (Request.client_id), requests in order of their
+    first waiting sequence, each request's sequences in their own order. O(len(reqs))."""
+    by_client: dict[Hashable, list[Request]] = {}
+    for r in reqs:
+        by_client.setdefault(r.client_id, []).append(r)
+    if len(by_client) <= 1 or len(by_client) == len(reqs):
+        return reqs  # nothing to interleave
+    turns = deque(iter(group) for group in by_client.values())
+    out: list[Request] = []
+    while turns:
+        it = turns.popleft()
+        r = next(it, None)
+        if r is not None:
+            out.append(r)
+            turns.append(it)
+    return out
 
 
 @dataclass
@@ -83,7 +105,9 @@ class SchedulingPolicy:
     def order(self, waiting: Sequence[Request], kv: KVCacheManager) -> ScheduleOrder:
         reqs = list(waiting)
         if self.name == "fcfs" or kv.index is None:
-            return ScheduleOrder(reqs)
+            resumed = [r for r in reqs if r.status == RequestStatus.PREEMPTED]  # admitted before: first
+            fresh = [r for r in reqs if r.status != RequestStatus.PREEMPTED]
+            return ScheduleOrder(resumed + round_robin(fresh))
         resumed = [r for r in reqs if r.status == RequestStatus.PREEMPTED]
         fresh = [r for r in reqs if r.status != RequestStatus.PREEMPTED]
         cached = self._hits(fresh, kv)

@@ -13,6 +13,8 @@ import sys
 CLI_EXCLUDED_LLM_KWARGS = frozenset({"allow_pickle_weights"})
 
 DEFAULT_ATTENTION_BACKEND = "torch_native"
+# A server's streams should not freeze behind someone's long prompt: a step's target time.
+SERVE_TARGET_STEP_SECONDS = 0.25
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -26,6 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV page (default: the model's page size, 16 for dense models, 128 for DeepSeek-V4)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--target-step-seconds", type=float, default=None,
+                   help="while requests decode, size prefill chunks so a step stays under this many seconds "
+                        f"(default: off for generate, {SERVE_TARGET_STEP_SECONDS} for serve; 0 = off)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
@@ -69,6 +74,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        target_step_seconds=args.target_step_seconds or None,  # 0 = off
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -103,24 +109,49 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    import asyncio
+def server_settings(args: argparse.Namespace, chat_template: str | None):
+    """The ServerSettings `hybridkv serve` runs with, validated (before any model loads)."""
     import os
 
-    from hybridkv.engine.async_llm_engine import AsyncLLMEngine
-    from hybridkv.engine.config import EngineConfig
-    from hybridkv.entrypoints.openai.api_server import API_KEY_ENV, ServerSettings, default_model_name, serve
+    from hybridkv.entrypoints.openai.api_server import API_KEY_ENV, ServerSettings
 
-    if args.model_tag and args.model and args.model_tag != args.model:
-        raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
-    kwargs = engine_kwargs(args)
-    engine = AsyncLLMEngine.from_config(EngineConfig(model=args.model_tag or args.model, **kwargs))
     settings = ServerSettings(
         served_model_names=args.served_model_name,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_request_body_bytes=args.max_request_body_bytes,
-        chat_template=kwargs["chat_template"],
+        chat_template=chat_template,
+        keepalive_timeout=args.keepalive_timeout,
+        body_timeout=args.body_timeout,
+        max_connections=args.max_connections,
+        max_seqs_per_request=args.max_seqs_per_request,
+        metrics_require_api_key=args.metrics_require_api_key,
     )
+    settings.validate()
+    return settings
+
+
+def max_queued_requests(args: argparse.Namespace) -> int | None:
+    """The engine's queue bound from --max-queued-requests (0 = unbounded)."""
+    if args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests must be >= 0 (0 = unbounded), got {args.max_queued_requests}")
+    return args.max_queued_requests or None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from hybridkv.engine.async_llm_engine import AsyncLLMEngine
+    from hybridkv.engine.config import EngineConfig
+    from hybridkv.entrypoints.openai.api_server import default_model_name, serve
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+    kwargs = engine_kwargs(args)
+    if args.target_step_seconds is None:  # serving default; an explicit 0 turns it off
+        kwargs["target_step_seconds"] = SERVE_TARGET_STEP_SECONDS
+    settings = server_settings(args, kwargs["chat_template"])
+    engine = AsyncLLMEngine.from_config(EngineConfig(model=args.model_tag or args.model, **kwargs),
+                                        max_queued_requests=max_queued_requests(args))
     log = logging.getLogger("hybridkv.serve")
     names = settings.served_model_names or [default_model_name(engine)]
     snap = engine.snapshot()
@@ -130,6 +161,11 @@ def _serve(args: argparse.Namespace) -> int:
     for name, space in snap.spaces.items():
         log.info("KV space %r: %d pages of %d tokens, %.1f MiB", name, space.num_pages, snap.page_size,
                  space.total_bytes / 2**20)
+    queued = engine.max_queued_requests
+    log.info("limits: bodies %d bytes (in %gs), headers in %gs, %d connections, %d sequences per request, "
+             "%s queued sequences", settings.max_request_body_bytes, settings.body_timeout,
+             settings.keepalive_timeout, settings.max_connections, settings.max_seqs_per_request,
+             queued if queued is not None else "unbounded")
 
     def ready(port: int) -> None:
         host = f"[{args.host}]" if ":" in args.host else args.host
@@ -173,6 +209,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; the first is reported (default: the model path)")
     s.add_argument("--max-request-body-bytes", type=int, default=8 << 20, help="larger bodies get 413")
+    s.add_argument("--keepalive-timeout", type=float, default=15.0,
+                   help="seconds a connection gets to send a request's headers (from connect or the previous "
+                        "response); also the idle keep-alive timeout (default: 15)")
+    s.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds to receive a request body, else 408 and the connection closes (default: 30)")
+    s.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections at most; more are closed as soon as they connect (default: 1024)")
+    s.add_argument("--max-seqs-per-request", type=int, default=1024,
+                   help="sequences (prompts x n) one request may start; more get 400 (default: 1024)")
+    s.add_argument("--max-queued-requests", type=int, default=2048,
+                   help="sequences that may wait for the engine; a request past it gets 503 with Retry-After "
+                        "(default: 2048; 0 = unbounded)")
+    s.add_argument("--metrics-require-api-key", action="store_true",
+                   help="with an API key, /metrics needs it too (default: /metrics is open)")
     s.add_argument("--disable-access-log", action="store_true", help="do not log one line per HTTP request")
     add_engine_args(s)
     s.set_defaults(func=_serve)

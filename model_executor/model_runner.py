@@ -78,6 +78,7 @@ class ModelRunner:
         model.load_weights(iter_weights(model_dir, allow_pickle=allow_pickle_weights))
         model.cast_to(self.dtype)
         self.model = model.eval()
+        self.step_cost = model.step_cost()  # before packing: it counts parameters
         if self.device.type == "cpu" and self.model_packing_wanted():
             self.model.pack_weights()
         logger.info("loaded %s (%s, %s) in %.1fs", model_dir, self.dtype, self.device, time.perf_counter() - t0)

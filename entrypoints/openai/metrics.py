@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -80,10 +80,19 @@ class _EngineCollector(Collector):
             by_space.add_metric([self._model, name], n)
         yield by_space
         yield counter("num_preemptions", "Preemptions of running sequences.", s.num_preemptions)
+        yield gauge("prefix_cache_locks", "Prefix-cache locks held by requests (0 when idle).", s.num_lock_receipts)
+        if s.max_queued_requests is not None:
+            yield gauge("max_queued_requests", "Sequences that may wait for admission before adds get 503.",
+                        s.max_queued_requests)
+        yield counter("requests_rejected_queue_full", "Requests refused with 503 because the queue was full.",
+                      s.num_rejected_queue_full)
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]) -> None:
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot],
+                 limits: dict[str, int] | None = None) -> None:
+        """limits: the server's admission limits by name (e.g. max_seqs_per_request), exported
+        as hybridkv:admission_limit{limit=...} so dashboards can read them next to the counters."""
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         r, labels = self.registry, ["model_name"]
@@ -104,6 +113,17 @@ class ServerMetrics:
         self._success = Counter(PREFIX + "request_success", "Finished sequences by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         r.register(_EngineCollector(snapshot, model_name))
+        if limits:
+            limit = Gauge(PREFIX + "admission_limit", "Admission limits of this server.", ["model_name", "limit"],
+                          registry=r)
+            for name, value in limits.items():
+                limit.labels(model_name, name).set(value)
+        self._rejected = Counter(PREFIX + "requests_rejected", "Requests refused at admission, by reason.",
+                                 ["model_name", "reason"], registry=r)
+
+    def request_rejected(self, reason: str) -> None:
+        """A request refused before it reached the engine (e.g. reason="too_many_sequences")."""
+        self._rejected.labels(self.model_name, reason).inc()
 
     def request_finished(self, reason: str, count: int = 1) -> None:
         self._success.labels(self.model_name, reason).inc(count)

@@ -16,6 +16,7 @@ refused: the server does not render user-supplied templates.
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -35,12 +36,23 @@ def json_type(v: Any) -> str:
     return _JSON_TYPE.get(type(v), type(v).__name__)
 
 
+_INT_TYPE = frozenset({int})
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 3, 60, 60, 60
+
+
+def show(v: Any) -> str:
+    """A short repr of a client value for an error message: bounded in length and depth (a
+    900-deep array or a 4000-digit integer stays one short line)."""
+    return _SHOW.repr(v)
+
+
 def _type_error(name: str, expected: str, v: Any) -> OpenAIError:
     return bad_request(f"Invalid type for '{name}': expected {expected}, but got {json_type(v)} instead.", name)
 
 
 def _range_error(name: str, v: Any, allowed: str) -> OpenAIError:
-    return bad_request(f"Invalid value for '{name}': expected a value {allowed}, but got {v!r} instead.", name)
+    return bad_request(f"Invalid value for '{name}': expected a value {allowed}, but got {show(v)} instead.", name)
 
 
 class _Body:
@@ -81,7 +93,10 @@ class _Body:
             return default
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise _type_error(name, "a number", v)
-        v = float(v)
+        try:
+            v = float(v)
+        except OverflowError:  # an integer past float range (1 followed by 400 zeros)
+            raise _range_error(name, v, allowed or "that is finite") from None
         if not math.isfinite(v) or (check is not None and not check(v)):
             raise _range_error(name, v, allowed or "that is finite")
         return v
@@ -116,9 +131,10 @@ class _Body:
         return list(items)
 
     def token_ids(self, name: str, v: Any) -> list[int]:
-        if not isinstance(v, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in v):
+        # C-level scans (type() is exact, so booleans fail): a million ids take milliseconds.
+        if not isinstance(v, list) or not _INT_TYPE.issuperset(map(type, v)):
             raise _type_error(name, "an array of integers", v)
-        if any(t < 0 for t in v):
+        if v and min(v) < 0:
             raise bad_request(f"Invalid value for '{name}': token ids must be >= 0.", name)
         return v
 
@@ -404,7 +420,7 @@ def _read_messages(v: Any) -> list[dict[str, str]]:
                 f"Missing required parameter: '{where}.role'.", f"{where}.role")
         if role not in CHAT_ROLES:
             raise bad_request(f"Invalid value for '{where}.role': expected one of {', '.join(CHAT_ROLES)}, "
-                              f"but got {role!r} instead.", f"{where}.role")
+                              f"but got {show(role)} instead.", f"{where}.role")
         if m.get("tool_calls"):
             raise bad_request(f"'{where}.tool_calls' is not supported by this server (tool calling is not "
                               "implemented).", f"{where}.tool_calls")
@@ -438,7 +454,7 @@ def _message_text(where: str, role: str, m: dict) -> str:
             raise _type_error(pw, "an object", part)
         if part.get("type") != "text":
             raise bad_request(f"Invalid value for '{pw}.type': only 'text' content parts are supported, "
-                              f"got {part.get('type')!r}.", f"{pw}.type")
+                              f"got {show(part.get('type'))}.", f"{pw}.type")
         if not isinstance(part.get("text"), str):
             raise _type_error(f"{pw}.text", "a string", part.get("text"))
         texts.append(part["text"])

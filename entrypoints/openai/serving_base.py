@@ -1,22 +1,42 @@
 """What both generation endpoints share: model check, prompt tokenization and context check,
 starting engine requests, and following them to the end (metrics, abort on early exit).
+
+Nothing heavy runs on the event loop: tokenizing, rendering chat templates, detokenizing and
+encoding whole responses run in the app's worker threads (`ServingContext.run`), so one large
+request cannot stall /health, streams or other clients. The functions that must run there are
+synchronous and say so.
 """
 from __future__ import annotations
 
+import asyncio
+import functools
 import math
 import time
 import uuid
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, TypeVar
 
-from hybridkv.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, GenerateRequest, RequestStream
+from aiohttp import web
+
+from hybridkv.engine.async_llm_engine import (
+    AsyncLLMEngine, EngineDeadError, EngineQueueFullError, GenerateRequest, RequestStream,
+)
 from hybridkv.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.entrypoints.openai.errors import OpenAIError, bad_request, not_found
 from hybridkv.entrypoints.openai.metrics import RequestTracker, ServerMetrics
+from hybridkv.entrypoints.openai.sse import dumps
 
 # JSON has no -inf; a token with zero probability reports this (vLLM's clamp).
 LOGPROB_FLOOR = -9999.0
+# A text longer than max_model_len x (longest token text) x this cannot fit the context. The slack
+# covers what makes one token's text differ from the bytes it covers in a prompt: normalizers,
+# a decoder that drops the leading space of a lone token, clean-up of spaces before punctuation.
+TEXT_BYTES_SAFETY_FACTOR = 2
+DEFAULT_MAX_SEQS_PER_REQUEST = 1024
+
+T = TypeVar("T")
 
 
 def finite_logprob(v: float) -> float:
@@ -25,6 +45,16 @@ def finite_logprob(v: float) -> float:
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def longest_token_bytes(tokenizer: Any) -> int:
+    """UTF-8 length of the longest text any single token decodes to (special tokens included);
+    computed once at startup (about 0.3 s per 50k tokens)."""
+    return max(1, max((len(tokenizer.decode([i]).encode("utf-8")) for i in range(len(tokenizer))), default=1))
+
+
+def utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8"))  # isascii() is O(1) in CPython
 
 
 @dataclass(frozen=True)
@@ -45,6 +75,9 @@ class ServingContext:
     chat_template: str | None
     sampling_defaults: dict[str, Any]
     metrics: ServerMetrics
+    executor: Executor  # the app's worker threads (see the module docstring); the app shuts it down
+    max_token_bytes: int  # longest_token_bytes(tokenizer)
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -59,10 +92,52 @@ class ServingContext:
             raise not_found(f"The model `{name}` does not exist.", "model")
         return name
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in a worker thread; its exceptions (OpenAIError included) are raised here."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+
+    async def json_response(self, build: Callable[[], Any]) -> web.Response:
+        """A whole (non-streaming) JSON response: build() and its encoding run in a worker thread."""
+        body = await self.run(lambda: dumps(build()).encode("utf-8"))
+        return web.Response(body=body, content_type="application/json", charset="utf-8")
+
+    @property
+    def max_text_bytes(self) -> int:
+        return self.max_model_len * self.max_token_bytes * TEXT_BYTES_SAFETY_FACTOR
+
+    def check_text_size(self, text: str, param: str) -> None:
+        """The exact-but-cheap pre-check: a text this long needs more than max_model_len tokens
+        whatever it says, so it gets the context-length 400 without being tokenized (tokenizing
+        8 MiB takes seconds)."""
+        size, limit = utf8_len(text), self.max_text_bytes
+        if size > limit:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your input is "
+                f"{size} bytes long, more than {self.max_model_len} tokens can hold (at most {limit} bytes). "
+                "Please reduce the length of the input messages.",
+                param,
+            )
+
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """Token ids of text, after the size pre-check. Worker thread only (see `run`): the
+        transformers-level encode releases the GIL while the Rust tokenizer works."""
+        self.check_text_size(text, param)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def check_context(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str = "messages") -> None:
+    def check_num_seqs(self, num_prompts: int, n: int) -> None:
+        """Admission bound per request: prompts x n sequences (each holds KV pages and a slot)."""
+        total, limit = num_prompts * n, self.max_seqs_per_request
+        if total > limit:
+            self.metrics.request_rejected("too_many_sequences")
+            prompts = f"{num_prompts} prompt{'s' if num_prompts != 1 else ''}"
+            raise bad_request(
+                f"Invalid value for 'n': this request asks for {total} sequences ({prompts} x n={n}), more than "
+                f"the {limit} sequences one request may start on this server.",
+                "n",
+            )
+
+    def check_context(self, num_prompt_tokens: int, max_tokens: int | None, min_tokens: int = 0,
+                      prompt_param: str = "messages") -> None:
         """vLLM's context-overflow messages (clients parse them to trim conversations)."""
         n = self.max_model_len
         if num_prompt_tokens >= n:
@@ -78,21 +153,36 @@ class ServingContext:
                 f"the completion). Please reduce the length of the messages or completion.",
                 "max_tokens",
             )
+        # Without this, min_tokens past the context (and no max_tokens) would run to the end of
+        # the context; the engine refuses it too, but with no `param`.
+        if num_prompt_tokens + min_tokens > n:
+            raise bad_request(
+                f"This model's maximum context length is {n} tokens. However, you requested at least "
+                f"{num_prompt_tokens + min_tokens} tokens ({num_prompt_tokens} in the messages, min_tokens "
+                f"{min_tokens} in the completion). Please reduce the length of the messages or min_tokens.",
+                "min_tokens",
+            )
 
     async def start(
-        self, prefix: str, inputs: list[PromptInput], params: SamplingParams, cache_salt: str | None
+        self, prefix: str, inputs: list[PromptInput], params: SamplingParams, cache_salt: str | None,
+        prompt_param: str = "prompt", stream: bool = True,
     ) -> "Generation":
+        """stream: whether the client watches tokens arrive (the step-time target protects only
+        those; a whole response waits for its last token either way)."""
         base = random_id(prefix)
         requests = [
             GenerateRequest(f"{base}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids}
-                            if p.text is not None else {"prompt_token_ids": p.token_ids}, params, cache_salt)
+                            if p.text is not None else {"prompt_token_ids": p.token_ids}, params, cache_salt,
+                            interactive=stream)
             for i, p in enumerate(inputs)
         ]
         tracker = self.metrics.track()
         try:
             stream = await self.engine.add_requests(requests)
         except ValueError as e:  # engine-side validation (token ids out of vocabulary, ...)
-            raise bad_request(str(e)) from e
+            raise bad_request(str(e), prompt_param) from e
+        except EngineQueueFullError as e:  # nothing was added; a later retry may fit
+            raise OpenAIError(str(e), 503, headers={"Retry-After": str(e.retry_after)}) from e
         except EngineDeadError as e:
             raise OpenAIError(f"The engine is not running: {e}", 503) from e
         return Generation(base, inputs, params.n, stream, tracker)
@@ -208,8 +298,14 @@ async def send_stream(sse, gen: "Generation", model: str, object_name: str, opts
     except ConnectionError:
         return sse.response
     except Exception as e:  # noqa: BLE001 - reported in-stream; the status line is already sent
-        await sse.send_error(stream_error(e))
-    return await sse.done()
+        try:
+            await sse.send_error(stream_error(e))
+        except ConnectionError:
+            return sse.response
+    try:
+        return await sse.done()
+    except ConnectionError:  # gone between its last token and [DONE]: nothing left to tell it
+        return sse.response
 
 
 def stream_error(e: BaseException) -> OpenAIError:

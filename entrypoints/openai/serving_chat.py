@@ -9,16 +9,24 @@ from hybridkv.engine.outputs import Logprob, PositionLogprobs
 from hybridkv.entrypoints.openai.errors import bad_request
 from hybridkv.entrypoints.openai.protocol import ChatCompletionRequest
 from hybridkv.entrypoints.openai.serving_base import Generation, PromptInput, ServingContext, finite_logprob, send_stream
-from hybridkv.entrypoints.openai.sse import SSEStream, dumps
+from hybridkv.entrypoints.openai.sse import SSEStream
 from hybridkv.model_executor.tokenizer import apply_chat_template
 
 
 def render_chat(ctx: ServingContext, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-    """Template precedence: --chat-template, then the checkpoint's own, then ChatML."""
+    """Worker thread. Template precedence: --chat-template, then the checkpoint's own, then ChatML."""
     try:
         return apply_chat_template(ctx.tokenizer, messages, ctx.chat_template, add_generation_prompt)
     except ValueError as e:  # the template rejected these messages (e.g. roles out of order)
         raise bad_request(str(e), "messages") from e
+
+
+def chat_prompt(ctx: ServingContext, messages: list[dict[str, str]],
+                add_generation_prompt: bool = True) -> PromptInput:
+    """Worker thread: the rendered conversation and its token ids."""
+    text = render_chat(ctx, messages, add_generation_prompt)
+    # The rendered text already holds any BOS the template writes.
+    return PromptInput(text, ctx.encode(text, add_special_tokens=False, param="messages"))
 
 
 class ChatServing:
@@ -27,20 +35,25 @@ class ChatServing:
 
     async def create(self, request: web.Request, body: Any) -> web.StreamResponse:
         ctx = self.ctx
-        req = ChatCompletionRequest.parse(body)
-        model = ctx.check_model(req.model)
-        text = render_chat(ctx, req.messages, req.add_generation_prompt)
-        # The rendered text already holds any BOS the template writes.
-        prompt = PromptInput(text, ctx.tokenize(text, add_special_tokens=False))
-        ctx.check_context(len(prompt.token_ids), req.max_tokens)
+        req, model, prompt = await ctx.run(self._prepare, body)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling.to_params(req.max_tokens, logprobs, ctx.sampling_defaults)
-        gen = await ctx.start("chatcmpl", [prompt], params, req.cache_salt)
+        gen = await ctx.start("chatcmpl", [prompt], params, req.cache_salt, "messages", req.stream)
         async with gen:
             if req.stream:
                 return await self._stream(request, req, model, gen)
             await gen.run_to_end()
-            return web.json_response(self._response(req, model, gen), dumps=dumps)
+            return await ctx.json_response(lambda: self._response(req, model, gen))
+
+    def _prepare(self, body: Any) -> tuple[ChatCompletionRequest, str, PromptInput]:
+        """Worker thread: validation, the chat template and tokenization."""
+        ctx = self.ctx
+        req = ChatCompletionRequest.parse(body)
+        model = ctx.check_model(req.model)
+        ctx.check_num_seqs(1, req.sampling.n)
+        prompt = chat_prompt(ctx, req.messages, req.add_generation_prompt)
+        ctx.check_context(len(prompt.token_ids), req.max_tokens, req.sampling.min_tokens, "messages")
+        return req, model, prompt
 
     def _logprobs(self, req: ChatCompletionRequest, token_ids: list[int], positions: list[PositionLogprobs]) -> dict:
         k = req.top_logprobs or 0

@@ -6,11 +6,11 @@ from typing import Any
 from aiohttp import web
 
 from hybridkv.engine.outputs import PositionLogprobs
-from hybridkv.entrypoints.openai.protocol import CompletionRequest, Prompt
+from hybridkv.entrypoints.openai.protocol import CompletionRequest
 from hybridkv.entrypoints.openai.serving_base import (
     ChoiceState, Generation, PromptInput, ServingContext, finite_logprob, send_stream,
 )
-from hybridkv.entrypoints.openai.sse import SSEStream, dumps
+from hybridkv.entrypoints.openai.sse import SSEStream
 
 
 class CompletionServing:
@@ -19,31 +19,40 @@ class CompletionServing:
 
     async def create(self, request: web.Request, body: Any) -> web.StreamResponse:
         ctx = self.ctx
-        req = CompletionRequest.parse(body)
-        model = ctx.check_model(req.model)
-        inputs = [self._input(p) for p in req.prompts]
-        for p in inputs:
-            ctx.check_context(len(p.token_ids), req.max_tokens, "prompt")
+        req, model, inputs = await ctx.run(self._prepare, body)
         # echo + logprobs reports the prompt's logprobs too (as OpenAI did and vLLM does).
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         params = req.sampling.to_params(req.max_tokens, req.logprobs, ctx.sampling_defaults, prompt_logprobs)
-        gen = await ctx.start("cmpl", inputs, params, req.cache_salt)
+        gen = await ctx.start("cmpl", inputs, params, req.cache_salt, "prompt", req.stream)
         async with gen:
             if req.stream:
                 return await self._stream(request, req, model, gen)
             await gen.run_to_end()
-            return web.json_response(self._response(req, model, gen), dumps=dumps)
+            return await ctx.json_response(lambda: self._response(req, model, gen))
 
-    def _input(self, prompt: Prompt) -> PromptInput:
-        if isinstance(prompt, str):
-            return PromptInput(prompt, self.ctx.tokenize(prompt))
-        return PromptInput(None, list(prompt))
+    def _prepare(self, body: Any) -> tuple[CompletionRequest, str, list[PromptInput]]:
+        """Worker thread: everything between the JSON body and the engine (validating a million
+        token ids or tokenizing a long text takes a while)."""
+        ctx = self.ctx
+        req = CompletionRequest.parse(body)
+        model = ctx.check_model(req.model)
+        ctx.check_num_seqs(len(req.prompts), req.sampling.n)
+        for p in req.prompts:  # every text passes the size pre-check before any is tokenized
+            if isinstance(p, str):
+                ctx.check_text_size(p, "prompt")
+        inputs = [PromptInput(p, ctx.encode(p, param="prompt")) if isinstance(p, str) else PromptInput(None, list(p))
+                  for p in req.prompts]
+        for p in inputs:
+            ctx.check_context(len(p.token_ids), req.max_tokens, req.sampling.min_tokens, "prompt")
+        return req, model, inputs
 
     def _prompt_text(self, p: PromptInput) -> str:
+        """Worker thread (decodes a token-id prompt)."""
         return p.text if p.text is not None else self.ctx.tokenizer.decode(p.token_ids)
 
     # -- whole response ---------------------------------------------------------------------------
     def _response(self, req: CompletionRequest, model: str, gen: Generation) -> dict:
+        """Worker thread: echo and logprobs decode tokens."""
         choices = []
         for c in gen.choices:
             p = gen.inputs[c.prompt_index]
@@ -64,7 +73,10 @@ class CompletionServing:
 
     def _logprobs_block(self, req: CompletionRequest, gen: Generation, c: ChoiceState, token_ids: list[int],
                         positions: list[PositionLogprobs], echo: bool, offset: int = 0) -> dict:
-        """OpenAI's legacy logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
+        """OpenAI's legacy logprobs object: tokens, token_logprobs, top_logprobs, text_offset.
+
+        Decodes the tokens the engine sent no text for (echoed prompt positions): call it in a
+        worker thread when echo is on."""
         block: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         rows: list[tuple[int, PositionLogprobs | None]] = []
         if echo:
@@ -100,11 +112,13 @@ class CompletionServing:
                     first = c.index not in started
                     started.add(c.index)
                     echo = req.echo and first
-                    text = (self._prompt_text(gen.inputs[i]) if echo else "") + o.text
+                    text = (await self.ctx.run(self._prompt_text, gen.inputs[i]) if echo else "") + o.text
                     logprobs = None
                     if req.logprobs is not None:
-                        logprobs = self._logprobs_block(req, gen, c, o.token_ids, o.logprobs or [], echo,
-                                                        offsets[c.index])
+                        args = (req, gen, c, o.token_ids, o.logprobs or [], echo, offsets[c.index])
+                        # Generated tokens come with their text; echoed prompt tokens are decoded here.
+                        logprobs = await self.ctx.run(self._logprobs_block, *args) if echo else \
+                            self._logprobs_block(*args)
                         offsets[c.index] += sum(len(t) for t in logprobs["tokens"])
                     if not text and o.finish_reason is None and not (logprobs and logprobs["tokens"]) and not (
                         req.return_token_ids and o.token_ids

@@ -9,6 +9,7 @@ from torch import nn
 from hybridkv.attention_backends.metadata import AttentionMetadata, StepSequences, build_attention_metadata
 from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
 from hybridkv.model_executor.layers import pack_linear_weights
+from hybridkv.model_executor.step_cost import StepCost, dense_step_cost
 
 if TYPE_CHECKING:  # the runner hands the manager in; models only read its spaces
     from hybridkv.block_manager.kv_cache_manager import KVCacheManager
@@ -25,7 +26,8 @@ class CausalLM(nn.Module):
     and may override the hooks below, whose defaults fit dense decoders whose attention layers
     (attention_layers(): modules with .space, .num_kv_heads, .head_dim and k_cache / v_cache /
     backend slots) each keep one K and one V per token in one space:
-      default_block_size, allocate_kv_cache, build_attention_metadata, cast_to, pack_weights.
+      default_block_size, allocate_kv_cache, build_attention_metadata, cast_to, pack_weights,
+      step_cost.
     """
 
     # The page size this model prefers when the user leaves block_size at the engine default;
@@ -77,6 +79,29 @@ class CausalLM(nn.Module):
     ) -> AttentionMetadata:
         """Per-step metadata shared by every layer (slot mappings, decode tiles, prefill chunks)."""
         return build_attention_metadata(seqs, windows, page_size)
+
+    def token_params(self) -> int:
+        """Parameters every token multiplies: all but embedding tables and the logits head
+        (a lookup, and a product computed only for sampled positions)."""
+        skip = {id(p) for m in self.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+        head = getattr(self, "lm_head", None)
+        if isinstance(head, nn.Module):
+            skip.update(id(p) for p in head.parameters())
+        return sum(p.numel() for p in self.parameters() if id(p) not in skip)
+
+    def step_cost(self) -> StepCost:
+        """FLOPs of a forward as a function of tokens and positions (the scheduler sizes prefill
+        chunks with it). Default: every attention layer reads one K/V per earlier token, up to its
+        window. Call before pack_weights (packing may replace parameters)."""
+        return dense_step_cost(self.token_params(), self.attention_layers(), self.logits_params())
+
+    def logits_params(self) -> int:
+        """Size of the logits matrix (the head, or the tied embedding): vocab x hidden."""
+        head = getattr(self, "lm_head", None)
+        mats = [p for m in self.modules() if isinstance(m, nn.Embedding) for p in m.parameters()]
+        if isinstance(head, nn.Module):
+            mats += list(head.parameters())
+        return max((p.numel() for p in mats), default=0)
 
     def cast_to(self, dtype: torch.dtype) -> None:
         """Cast to the model dtype. Only parameters: RoPE tables stay float32 and are cast per

@@ -10,7 +10,10 @@ import pytest
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.llm_engine import LLMEngine
 from hybridkv.entrypoints import LLM
-from hybridkv.entrypoints.cli import CLI_EXCLUDED_LLM_KWARGS, build_parser, engine_kwargs, main
+from hybridkv.entrypoints.cli import (
+    CLI_EXCLUDED_LLM_KWARGS, build_parser, engine_kwargs, main, max_queued_requests, server_settings,
+)
+from hybridkv.entrypoints.openai.api_server import API_KEY_ENV, ServerSettings
 
 
 def _llm_keywords() -> list[str]:
@@ -101,3 +104,36 @@ def test_unknown_policy_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--scheduling-policy", "random"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+SERVE_ARGV = [
+    "--keepalive-timeout", "3.5", "--body-timeout", "7", "--max-connections", "9", "--max-seqs-per-request", "11",
+    "--max-queued-requests", "13", "--metrics-require-api-key", "--max-request-body-bytes", "4096", "--api-key", "k",
+]
+
+
+def test_serve_defaults_are_the_server_settings_defaults(monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    args = build_parser().parse_args(["serve"])
+    settings, default = server_settings(args, None), ServerSettings()
+    for f in dataclasses.fields(ServerSettings):
+        assert getattr(settings, f.name) == getattr(default, f.name), f.name
+    assert max_queued_requests(args) == 2048
+
+
+def test_serve_flags_reach_the_server_settings():
+    args = build_parser().parse_args(["serve", *SERVE_ARGV])
+    s = server_settings(args, None)
+    assert (s.keepalive_timeout, s.body_timeout, s.max_connections, s.max_seqs_per_request) == (3.5, 7.0, 9, 11)
+    assert s.metrics_require_api_key and s.max_request_body_bytes == 4096 and s.api_key == "k"
+    assert max_queued_requests(args) == 13
+    assert max_queued_requests(build_parser().parse_args(["serve", "--max-queued-requests", "0"])) is None
+
+
+@pytest.mark.parametrize("flag, value", [("--body-timeout", "0"), ("--keepalive-timeout", "-1"),
+                                         ("--max-connections", "0"), ("--max-seqs-per-request", "0"),
+                                         ("--max-queued-requests", "-1")])
+def test_serve_refuses_bad_limits_before_loading_a_model(flag, value, capsys):
+    assert main(["serve", "/no/such/model", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert flag.lstrip("-").replace("-", "_") in err.replace("-", "_") and "/no/such/model" not in err

@@ -1,5 +1,5 @@
-"""`hybridkv serve` as users run it: a subprocess that logs its URL, answers plain HTTP with the API key
-from the environment, and on SIGINT ends in-flight streams and exits with status 0."""
+"""`hybridkv serve` as users run it: a subprocess that logs its URL and limits, answers plain HTTP with
+the API key from the environment, and on SIGINT ends in-flight streams and exits with status 0."""
 from __future__ import annotations
 
 import json
@@ -32,7 +32,8 @@ def test_serve_subprocess_answers_http_and_exits_0_on_sigint(tiny_ckpt):
     env = {**os.environ, "HYBRIDKV_API_KEY": "env-key", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "hybridkv", "serve", tiny_ckpt("llama"), "--port", "0", "--max-model-len",
-         "256", "--served-model-name", "tiny", "--disable-access-log"],
+         "256", "--served-model-name", "tiny", "--disable-access-log", "--max-queued-requests", "7",
+         "--keepalive-timeout", "5", "--max-connections", "64"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     lines: queue.Queue[str] = queue.Queue()
@@ -52,6 +53,8 @@ def test_serve_subprocess_answers_http_and_exits_0_on_sigint(tiny_ckpt):
             url = m.group(1) if m else None
         startup = "".join(log)
         assert "KV space 'full'" in startup and "API key required" in startup
+        # The limits reached the server and the engine (the queue bound is read back from it).
+        assert "headers in 5s, 64 connections" in startup and "7 queued sequences" in startup
 
         with urllib.request.urlopen(_post(f"{url}/v1/completions",
                                           {"model": "tiny", "prompt": "hello", "max_tokens": 3}, "env-key")) as r:
@@ -59,6 +62,11 @@ def test_serve_subprocess_answers_http_and_exits_0_on_sigint(tiny_ckpt):
         assert r.status == 200 and body["object"] == "text_completion" and body["usage"]["completion_tokens"] >= 1
         with urllib.request.urlopen(f"{url}/health") as r:
             assert r.status == 200
+        with urllib.request.urlopen(f"{url}/metrics") as r:  # open without the key by default
+            assert r.status == 200
+        lower = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": "bearer env-key"})
+        with urllib.request.urlopen(lower) as r:  # the scheme is case-insensitive
+            assert r.status == 200 and json.loads(r.read())["data"][0]["root"] == "tiny"
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(_post(f"{url}/v1/completions", {"prompt": "hello"}, None))
         assert e.value.code == 401

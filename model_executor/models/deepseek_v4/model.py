@@ -25,6 +25,7 @@ from hybridkv.model_executor.models.deepseek_v4.moe import V4MoE
 from hybridkv.model_executor.models.deepseek_v4.norms import V4RMSNorm
 from hybridkv.model_executor.models.deepseek_v4.rope import InterleavedRope, inv_freq_from_params
 from hybridkv.model_executor.models.deepseek_v4.weights import load_v4_weights
+from hybridkv.model_executor.step_cost import AttentionCost, StepCost
 
 STATE_DTYPE = torch.float32  # compressor raw rows: kept in float32 whatever the model dtype
 # Tensors transformers keeps in float32 in every dtype (its _keep_in_fp32_modules_strict).
@@ -88,6 +89,23 @@ class DeepseekV4ForCausalLM(CausalLM):
             window = max(2 * cfg.csa_ratio if n_csa else 0, cfg.hca_ratio if n_hca else 0)
             specs.append(SpaceSpec(STATE, 1, row_bytes, window=window))
         return specs
+
+    def step_cost(self) -> StepCost:
+        """Hybrid attention: every layer reads the SWA window; a CSA layer also reads index_topk
+        C4 entries (a constant per token) after its indexer scored all of them (one per csa_ratio
+        tokens); an HCA layer reads every C128 entry. Only the routed experts a token picks count."""
+        cfg = self.cfg
+        routed = sum(p.numel() for layer in self.layers for name, p in layer.named_parameters()
+                     if ".experts." in f".{name}")
+        active = self.token_params() - routed + routed * cfg.num_experts_per_tok / max(1, cfg.n_routed_experts)
+        per_key = 4.0 * cfg.num_heads * cfg.head_dim
+        n_csa, n_hca = cfg.num_csa_layers, cfg.num_hca_layers
+        attention = [AttentionCost(cfg.num_layers * per_key, window=cfg.sliding_window)]
+        if n_csa:
+            attention.append(AttentionCost(n_csa * 2.0 * cfg.index_n_heads * cfg.index_head_dim, stride=cfg.csa_ratio))
+        if n_hca:
+            attention.append(AttentionCost(n_hca * per_key, stride=cfg.hca_ratio))
+        return StepCost(2.0 * active + n_csa * per_key * cfg.index_topk, tuple(attention), 2.0 * self.logits_params())
 
     def layout(self, page_size: int) -> HybridLayout:
         cfg = self.cfg

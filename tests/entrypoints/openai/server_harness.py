@@ -88,6 +88,13 @@ class ServerHandle:
     def run_coro(self, coro, timeout: float = 60) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
+    def open_connections(self) -> int:
+        """How many connections the server holds open right now (read on its loop)."""
+        async def count() -> int:
+            return len(self._runner.server.connections)
+
+        return self.run_coro(count())
+
     def stop(self) -> None:
         """Idempotent: stops the app (aborting in-flight requests), the loop thread and the engine."""
         if self._loop.is_closed():
@@ -103,14 +110,16 @@ class ServerHandle:
 
 
 def launch(ckpt: str, *, api_key: str | None = API_KEY, served_model_names: list[str] | None = None,
-           max_request_body_bytes: int = 1 << 20, **engine_kwargs) -> ServerHandle:
+           max_request_body_bytes: int = 1 << 20, max_queued_requests: int | None = None,
+           settings: dict[str, Any] | None = None, **engine_kwargs) -> ServerHandle:
+    """engine_kwargs go to EngineConfig, `settings` to ServerSettings (keepalive_timeout, ...)."""
     cfg = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=64)
     cfg.update(engine_kwargs)
-    engine = AsyncLLMEngine.from_config(EngineConfig(model=ckpt, **cfg))
-    settings = ServerSettings(served_model_names=served_model_names or [MODEL], api_key=api_key,
-                              max_request_body_bytes=max_request_body_bytes)
+    engine = AsyncLLMEngine.from_config(EngineConfig(model=ckpt, **cfg), max_queued_requests=max_queued_requests)
     try:
-        return ServerHandle(engine, api_key).start(settings)
+        server_settings = ServerSettings(served_model_names=served_model_names or [MODEL], api_key=api_key,
+                                         max_request_body_bytes=max_request_body_bytes, **(settings or {}))
+        return ServerHandle(engine, api_key).start(server_settings)
     except BaseException:
         engine.shutdown()
         raise

@@ -3,10 +3,12 @@ the offline LLM's for the same prompts."""
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from server_harness import MAX_MODEL_LEN, MODEL, sse_events
+from server_harness import MAX_MODEL_LEN, MODEL, launch, sse_events
 from hybridkv.entrypoints import LLM, SamplingParams
 
 PROMPTS = ["the quick brown fox", "a lighthouse keeper named Ada", "hybrid attention keeps"]
@@ -185,3 +187,36 @@ def test_health_and_version(srv):
     assert status == 200 and raw == b""
     status, _, raw = srv.request("GET", "/version", auth=False)
     assert status == 200 and json.loads(raw)["version"]
+
+
+def test_concurrent_tokenizer_work_in_the_worker_threads_gives_sequential_results(srv):
+    """Two worker threads share the server's tokenizer: concurrent requests get exactly what they
+    get one at a time (no tokenizer state is shared between calls)."""
+    texts = [" ".join(PROMPTS[i % 3] for _ in range(1 + i % 4)) for i in range(24)]
+
+    def tokenize(text: str) -> list[int]:
+        status, _, raw = srv.request("POST", "/tokenize", {"prompt": text, "return_token_strs": True})
+        assert status == 200, raw
+        return json.loads(raw)["tokens"]
+
+    def detokenize(ids: list[int]) -> str:
+        return json.loads(srv.request("POST", "/detokenize", {"tokens": ids})[2])["prompt"]
+
+    expected = [tokenize(t) for t in texts]
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(tokenize, texts)) == expected
+        assert list(pool.map(detokenize, expected)) == [detokenize(ids) for ids in expected]
+
+
+def test_stopping_the_app_stops_its_worker_threads(tiny_ckpt):
+    def workers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("hybridkv-server")]
+
+    before = set(workers())
+    handle = launch(tiny_ckpt("llama"))
+    try:
+        assert handle.request("POST", "/tokenize", {"prompt": "hello"})[0] == 200
+        assert set(workers()) - before  # the tokenization ran in a worker thread
+    finally:
+        handle.stop()
+    assert not set(workers()) - before

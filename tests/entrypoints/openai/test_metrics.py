@@ -69,3 +69,16 @@ def test_two_apps_in_one_process_have_separate_registries(srv, tiny_ckpt):
         other.engine.check_idle()
     finally:
         other.stop()
+
+
+def test_admission_limits_and_rejections_are_exported(srv):
+    before = scrape(srv)
+    assert value(before, "hybridkv:admission_limit", limit="max_seqs_per_request") == 1024
+    assert value(before, "hybridkv:admission_limit", limit="max_connections") > 0
+    assert value(before, "hybridkv:prefix_cache_locks") == 0
+    status, _, _ = srv.request("POST", "/v1/completions", {"model": MODEL, "prompt": ["hi"] * 64, "n": 32,
+                                                           "max_tokens": 1})
+    assert status == 400
+    after = scrape(srv)
+    assert value(after, "hybridkv:requests_rejected_total", reason="too_many_sequences") - value(
+        before, "hybridkv:requests_rejected_total", reason="too_many_sequences") == 1

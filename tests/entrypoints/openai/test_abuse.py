@@ -1,0 +1,280 @@
+"""One client cannot stall or starve the others: `hybridkv serve` on the demo model, with its
+default scheduling (chunked prefill under the 0.25 s step target), holds a stream open while an
+abuser sends, one after another: a fan-out over the per-request sequence cap, a 1,024-prompt
+fan-out within it, a request while that fan-out fills the queue, an 8,000-token prompt, a body
+near the 8 MiB limit, a Content-Length far over it, half-sent bodies and a half-sent header.
+
+Invariants checked:
+- the open stream's gaps between two token events: p99 under STREAM_GAP_P99_BOUND_S (0.5 s), the
+  longest under STREAM_GAP_BOUND_S;
+- /health answers within HEALTH_BOUND_S every time it is polled;
+- the abuser gets 400 / 413 / 503 / 408 where a limit applies, and the server still serves a
+  normal request afterwards, ending with no pages or prefix-cache locks in use.
+
+Measured on the 2-core Zen 3 CI machine (demo model, float32): see the figures printed by the test
+(`-s`); the bounds below leave room for a noisier machine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+# The stream's inter-token gaps: 99% within the 0.5 s target, none over 1 s. The longest gaps come
+# at the end of the 8k-token prompt, where even the minimum prefill chunk's step costs ~0.2 s
+# alone (torch-native attention gathers the whole 8k prefix per layer) and more beside the
+# server's own threads on 2 cores.
+STREAM_GAP_P99_BOUND_S = 0.5
+STREAM_GAP_BOUND_S = 1.0
+HEALTH_BOUND_S = 0.1
+MAX_QUEUED = 300
+
+
+class _Server:
+    def __init__(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hybridkv", "serve", "--port", "0", "--disable-access-log",
+             "--max-queued-requests", str(MAX_QUEUED), "--body-timeout", "2", "--keepalive-timeout", "2"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        self.log: list[str] = []
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout], daemon=True).start()
+        deadline = time.monotonic() + 300
+        self.url = None
+        while self.url is None:
+            assert self.proc.poll() is None, "server exited early:\n" + "".join(self.log)
+            try:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail("no startup line within 300 s:\n" + "".join(self.log))
+            self.log.append(line)
+            m = re.search(r"at http://127\.0\.0\.1:(\d+)/v1", line)
+            if m:
+                self.port = int(m.group(1))
+                self.url = f"http://127.0.0.1:{self.port}"
+        self._drain = threading.Thread(target=lambda: [self.log.append(x) for x in iter(lines.get, None)],
+                                       daemon=True)
+        self._drain.start()
+
+    def post(self, path: str, body, timeout: float = 300) -> tuple[int, dict, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"},
+                                     method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, dict(r.headers), json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers), json.loads(e.read())
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _metric(m: dict[str, float], prefix: str) -> float:
+    return sum(v for k, v in m.items() if k.startswith(prefix))
+
+
+class _Stream(threading.Thread):
+    """A long-running stream whose token events are timestamped as they arrive."""
+
+    def __init__(self, srv: _Server) -> None:
+        super().__init__(daemon=True)
+        self.srv, self.times, self.stop = srv, [], threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": 7000, "ignore_eos": True, "stream": True,
+                "temperature": 0}
+        try:
+            with socket.create_connection(("127.0.0.1", self.srv.port), timeout=300) as s:
+                data = json.dumps(body).encode()
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n" % len(data) + data)
+                f = s.makefile("rb")
+                while not self.stop.is_set():
+                    line = f.readline()
+                    if not line:
+                        raise RuntimeError("stream ended early")
+                    if line.startswith(b"data: {"):
+                        self.times.append(time.monotonic())
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            if not self.stop.is_set():
+                self.error = e
+
+    def gaps(self, since: float) -> list[float]:
+        ts = [t for t in self.times if t >= since]
+        return sorted(b - a for a, b in zip(ts, ts[1:]))
+
+
+class _HealthProbe(threading.Thread):
+    def __init__(self, srv: _Server) -> None:
+        super().__init__(daemon=True)
+        self.srv, self.latencies, self.stop = srv, [], threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            t = time.monotonic()
+            with urllib.request.urlopen(self.srv.url + "/health", timeout=30) as r:
+                assert r.status == 200
+            self.latencies.append(time.monotonic() - t)
+            time.sleep(0.1)
+
+
+def _raw(port: int, payload: bytes, wait: float) -> tuple[bytes, float]:
+    """Send payload, then read what comes back within `wait` seconds; returns the bytes (b"" =
+    closed silently, b"<open>" = still open and silent) and the seconds to the first byte."""
+    t = time.monotonic()
+    first = float("inf")
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as s:
+        s.sendall(payload)
+        chunks = []
+        try:
+            while True:
+                c = s.recv(65536)
+                if not c:
+                    break
+                if not chunks:
+                    first = time.monotonic() - t
+                chunks.append(c)
+        except socket.timeout:
+            return b"".join(chunks) or b"<open>", first
+        return b"".join(chunks), first
+
+
+@pytest.mark.slow
+def test_one_client_cannot_stall_the_others():
+    # Bodies encoded up front: the probes share this process's GIL with whatever it does meanwhile.
+    near_limit_body = json.dumps({"prompt": "hello " * 1398000, "max_tokens": 1}).encode()
+    long_prompt_body = json.dumps({"prompt": [(37 * i) % 40000 + 100 for i in range(8000)], "max_tokens": 1}).encode()
+    srv = _Server()
+    stream, health = _Stream(srv), _HealthProbe(srv)
+    try:
+        stream.start()
+        while len(stream.times) < 5:
+            assert stream.error is None and stream.is_alive(), f"stream failed: {stream.error}"
+            time.sleep(0.05)
+        health.start()
+        t0 = time.monotonic()
+        phases: dict[str, float] = {}
+
+        def phase(name: str) -> None:
+            phases[name] = time.monotonic()
+
+        # 1. A fan-out over the per-request cap (1,024 prompts x n=128) is refused outright.
+        phase("fan-out over cap")
+        status, _, body = srv.post("/v1/completions", {"prompt": ["hi"] * 1024, "n": 128, "max_tokens": 1})
+        assert status == 400 and body["error"]["param"] == "n", body
+
+        # 2. A fan-out within it is served; while it waits, the queue is full for others (503).
+        phase("fan-out within cap")
+        result: dict = {}
+        fan = threading.Thread(target=lambda: result.update(
+            r=srv.post("/v1/completions", {"prompt": ["hi"] * 1024, "max_tokens": 1})))
+        fan.start()
+        deadline = time.monotonic() + 60
+        while _metric(srv.metrics(), "hybridkv:num_requests_waiting") <= MAX_QUEUED:
+            assert time.monotonic() < deadline and fan.is_alive(), "the fan-out never filled the queue"
+            time.sleep(0.02)
+        status, headers, body = srv.post("/v1/completions", {"prompt": "hello", "max_tokens": 1})
+        assert status == 503 and int(headers["Retry-After"]) >= 1, (status, body)
+        assert body["error"]["type"] == "ServiceUnavailableError"
+        fan.join(300)
+        assert result["r"][0] == 200 and len(result["r"][2]["choices"]) == 1024
+
+        # 3. An 8,000-token prompt is prefilled in chunks between the stream's tokens.
+        phase("8k-token prompt")
+        status, _, body = srv.post("/v1/completions", long_prompt_body)
+        assert status == 200 and body["usage"]["prompt_tokens"] == 8000, body
+
+        # 4. A body just under the 8 MiB limit: refused (it cannot fit the context) without stalling anyone.
+        phase("near-limit body")
+        status, _, body = srv.post("/v1/completions", near_limit_body)
+        assert status == 400 and body["error"]["param"] == "prompt", body
+
+        # 5. A Content-Length far over the limit is refused at once (413), not waited for.
+        phase("huge Content-Length")
+        reply, first = _raw(srv.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                            b"\r\nContent-Length: 9223372036854775807\r\n\r\n{}", wait=15)
+        assert reply.startswith(b"HTTP/1.1 413") and first < 1, (first, reply[:200])
+
+        # 6. Half-sent bodies (408 after the body timeout) and a half-sent header (closed).
+        phase("slow clients")
+        replies: list[bytes] = []
+        slow = [threading.Thread(target=lambda: replies.append(_raw(
+            srv.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"prompt\": ", wait=20)[0])) for _ in range(16)]
+        slow.append(threading.Thread(target=lambda: replies.append(_raw(srv.port, b"POST /v1/compl", wait=20)[0])))
+        for th in slow:
+            th.start()
+        for th in slow:
+            th.join(60)
+        assert len(replies) == 17 and b"<open>" not in replies, "a slow client was held open"
+        assert sum(r.startswith(b"HTTP/1.1 408") for r in replies) == 16, replies[:2]
+        phase("end")
+
+        gaps = stream.gaps(t0)
+        gap, p99 = gaps[-1], gaps[int(0.99 * (len(gaps) - 1))]
+        health_worst = max(health.latencies)
+        names = list(phases)
+        for a, b in zip(names, names[1:]):
+            ts = [x for x in stream.times if phases[a] <= x < phases[b]]
+            g = max((q - p for p, q in zip(ts, ts[1:])), default=0.0)
+            print(f"{a}: {phases[b] - phases[a]:.1f} s, {len(ts)} stream tokens, longest gap {g:.3f} s")
+        print(f"stream: longest gap {gap:.3f} s, p99 {p99:.3f} s, {sum(g > 0.5 for g in gaps)} gaps over 0.5 s, "
+              f"over {len(stream.times)} tokens; /health worst "
+              f"{health_worst * 1000:.0f} ms over {len(health.latencies)} probes")
+        assert stream.error is None and stream.is_alive(), f"the open stream failed: {stream.error}"
+        assert p99 <= STREAM_GAP_P99_BOUND_S, f"the open stream's p99 gap is {p99:.3f} s"
+        assert gap <= STREAM_GAP_BOUND_S, f"the open stream stalled for {gap:.3f} s"
+        assert health_worst <= HEALTH_BOUND_S, f"/health took {health_worst * 1000:.0f} ms"
+
+        # Afterwards: a normal request is served, and nothing is left in use once the stream ends.
+        status, _, body = srv.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4})
+        assert status == 200 and body["choices"][0]["text"]
+    finally:
+        stream.stop.set()
+        health.stop.set()
+        health.join(30)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            m = srv.metrics()
+            busy = _metric(m, "hybridkv:num_requests_running") + _metric(m, "hybridkv:num_requests_waiting")
+            in_use = sum(v for k, v in m.items() if k.startswith("hybridkv:kv_cache_pages") and 'state="in_use"' in k)
+            locks = _metric(m, "hybridkv:prefix_cache_locks")
+            if busy == 0 and in_use == 0 and locks == 0:
+                break
+            assert time.monotonic() < deadline, f"left in use: {busy} requests, {in_use} pages, {locks} locks"
+            time.sleep(0.2)
+    finally:
+        srv.stop()
