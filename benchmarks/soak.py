@@ -57,7 +57,9 @@ class LocalServer:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         deadline = time.monotonic() + 600
+        seen: list[str] = []
         for line in self.proc.stdout:
+            seen.append(line)
             m = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
             if m:
                 self.url = m.group(1)
@@ -65,7 +67,7 @@ class LocalServer:
             if time.monotonic() > deadline:
                 break
         else:
-            raise RuntimeError("the server exited before it was ready")
+            raise RuntimeError("the server exited before it was ready:\n" + "".join(seen[-5:]))
         # Keep reading its output (a full pipe would block it); tracebacks are counted as errors.
         import threading
 
