@@ -213,7 +213,8 @@ def test_one_client_cannot_stall_the_others():
 
         # 3. An 8,000-token prompt is prefilled in chunks between the stream's tokens.
         phase("8k-token prompt")
-        status, _, body = srv.post("/v1/completions", long_prompt_body)
+        # Beside a stream it prefills a few tokens per step late in the prompt: 200-300 s here.
+        status, _, body = srv.post("/v1/completions", long_prompt_body, timeout=1200)
         assert status == 200 and body["usage"]["prompt_tokens"] == 8000, body
 
         # 4. A body just under the 8 MiB limit: refused (it cannot fit the context) without stalling anyone.
