@@ -37,6 +37,9 @@ class TileSizes:
     # A prefill tile whose keys number at most this runs as one SDPA call with a mask for that
     # tile (the fast path after a prefix hit); a longer one walks its keys in kv_chunk chunks.
     prefill_single_shot_keys: int = 4096
+    # A run of consecutive key slots at least this long is read in place (a view of the cache);
+    # shorter runs are gathered together (a matmul per short run would cost more than the copy).
+    min_view_keys: int = 256
 
 
 DEFAULT_TILES = TileSizes()
@@ -107,6 +110,42 @@ class PrefillSeq:
     start: int  # position of the first query (tokens already in the cache)
     key_start: int  # position of key_slots[0]: window_start(start, window)
     key_slots: torch.Tensor | None  # [end - key_start] cache slots in position order; None = own K/V
+    # Maximal runs of consecutive slots in key_slots, as (first key index, one past the last,
+    # slot of the first): a run is read in place (a view of the cache), never gathered. Pages
+    # come off a FIFO free list, so a prompt's pages are mostly consecutive.
+    key_runs: list[tuple[int, int, int]] = field(default_factory=list)
+    _blocks: dict = field(default_factory=dict, repr=False)  # key_blocks memo: same for every layer
+
+    def key_blocks(self, k0: int, k1: int, chunk: int, min_view: int) -> list[tuple[int, int, int | None]]:
+        """Keys [k0, k1) cut into blocks of at most `chunk` keys, as (first, one past the last,
+        first slot when the block is one run of at least min_view keys -- read as a view -- else
+        None -- gathered). Short runs are merged into gathered blocks."""
+        memo_key = (k0, k1, chunk, min_view)
+        if memo_key in self._blocks:
+            return self._blocks[memo_key]
+        blocks: list[tuple[int, int, int | None]] = []
+        pending = None  # first key of keys waiting to be gathered
+
+        def flush(end: int) -> None:
+            for c in range(pending, end, chunk):
+                blocks.append((c, min(end, c + chunk), None))
+
+        for lo, hi, slot in self.key_runs:
+            a, b = max(lo, k0), min(hi, k1)
+            if a >= b:
+                continue
+            if b - a < min_view:
+                pending = a if pending is None else pending
+                continue
+            if pending is not None:
+                flush(a)
+                pending = None
+            for c in range(a, b, chunk):
+                blocks.append((c, min(b, c + chunk), slot + c - lo))
+        if pending is not None:
+            flush(k1)
+        self._blocks[memo_key] = blocks
+        return blocks
 
     @property
     def own_kv(self) -> bool:
@@ -220,9 +259,19 @@ def build_space_metadata(
             slots = None
         else:
             slots = token_slots(table[i], torch.arange(kstart, c), page_size)
-        sm.prefills.append(PrefillSeq(row, row + q, s, kstart, slots))
+        sm.prefills.append(PrefillSeq(row, row + q, s, kstart, slots, _slot_runs(slots)))
         row += q
     return sm
+
+
+def _slot_runs(slots: torch.Tensor | None) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive slots: one tensor pass, then a list as long as the runs."""
+    if slots is None or slots.numel() == 0:
+        return []
+    breaks = (torch.nonzero(slots[1:] - slots[:-1] != 1).flatten() + 1).tolist()
+    edges = [0, *breaks, slots.numel()]
+    firsts = slots[edges[:-1]].tolist()
+    return [(a, b, f) for a, b, f in zip(edges, edges[1:], firsts)]
 
 
 def build_attention_metadata(

@@ -15,7 +15,10 @@ never by batch x longest context:
   * Prefill: a chunk that starts at position 0 and whose window does not bite runs as one SDPA
     is_causal call on its own K/V. Otherwise it is cut into query tiles; a tile whose keys fit
     in TileSizes.prefill_single_shot_keys is one SDPA call with a mask for that tile only, a
-    longer one walks its keys in chunks of TileSizes.kv_chunk with an online softmax.
+    longer one walks its keys in chunks of TileSizes.kv_chunk with an online softmax. Keys
+    whose slots are consecutive (runs of pages off the FIFO free list) are read in place, as a
+    view of the cache, not gathered; only the key columns a query may not see are masked (the
+    chunk's own tail and the window's edge), never the whole prefix.
 """
 from __future__ import annotations
 
@@ -115,18 +118,18 @@ class TorchNativeAttention:
             k1 = p.start + b - p.key_start  # one past the last (the tile's last query)
             qt = q[qs + a : qs + b]
             if k1 - k0 <= sizes.prefill_single_shot_keys:
-                slots = p.key_slots[k0:k1]
                 mask = _tile_mask(p.start + a, p.start + b, p.key_start + k0, p.key_start + k1, window, q.device)
                 o = F.scaled_dot_product_attention(
                     qt.transpose(0, 1).unsqueeze(0),
-                    gather_slots(k_cache, slots).unsqueeze(0),
-                    gather_slots(v_cache, slots).unsqueeze(0),
+                    _read_keys(k_cache, p, k0, k1).unsqueeze(0),
+                    _read_keys(v_cache, p, k0, k1).unsqueeze(0),
                     attn_mask=mask, scale=scale, enable_gqa=gqa,
                 )
                 out[a:b] = o[0].transpose(0, 1)
             else:
                 out[a:b] = _chunked_prefill_tile(
-                    qt, p.start + a, k_cache, v_cache, p, k0, k1, window, scale, _key_chunk(b - a, sizes)
+                    qt, p.start + a, k_cache, v_cache, p, k0, k1, window, scale, _key_chunk(b - a, sizes),
+                    sizes.min_view_keys,
                 )
         return out
 
@@ -138,6 +141,15 @@ def _key_chunk(queries: int, sizes: TileSizes) -> int:
     produces, then walks its keys in one or two steps instead of one per kv_chunk keys."""
     scaled = sizes.kv_chunk * sizes.prefill_q_tile // max(1, queries)
     return max(sizes.kv_chunk, min(scaled, sizes.decode_tile_keys))
+
+
+def _read_keys(cache: torch.Tensor, p: PrefillSeq, k0: int, k1: int) -> torch.Tensor:
+    """cache rows of p's keys [k0, k1) as [Hkv, k1 - k0, D]: a view when they are one run of
+    consecutive slots, else a gather."""
+    blocks = p.key_blocks(k0, k1, k1 - k0, 1)
+    if len(blocks) == 1 and blocks[0][2] is not None:
+        return cache[:, blocks[0][2] : blocks[0][2] + k1 - k0]
+    return gather_slots(cache, p.key_slots[k0:k1])
 
 
 def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -208,22 +220,32 @@ def _chunked_prefill_tile(
     window: int | None,
     scale: float,
     chunk: int,
+    min_view: int,
 ) -> torch.Tensor:
-    """One query tile over keys p.key_slots[k0:k1], `chunk` keys at a time (online softmax)."""
+    """One query tile over keys p.key_slots[k0:k1], `chunk` keys at a time (online softmax); runs
+    of at least min_view consecutive slots are read in place."""
     n, H, D = qt.shape
     hkv = k_cache.shape[0]
     qg = qt.transpose(0, 1).reshape(hkv, H // hkv * n, D)  # [Hkv, grp*n, D]; rows (group, query)
     m = torch.full((hkv, H // hkv, n, 1), _NEG_BIG, device=qt.device)
     l = torch.zeros(hkv, H // hkv, n, 1, device=qt.device)
     acc = torch.zeros(hkv, H // hkv, n, D, device=qt.device)
-    for c0 in range(k0, k1, chunk):
-        c1 = min(k1, c0 + chunk)
-        slots = p.key_slots[c0:c1]
-        kd, vd = gather_slots(k_cache, slots), gather_slots(v_cache, slots)  # [Hkv, L, D]
+    # Keys every query of the tile may read (positions [window start of the last query, first
+    # query]) need no mask: only the columns outside that range are masked.
+    open_lo = window_start(q_first + n - 1, window) - p.key_start
+    open_hi = q_first + 1 - p.key_start
+    for c0, c1, slot in p.key_blocks(k0, k1, chunk, min_view):
+        if slot is None:
+            slots = p.key_slots[c0:c1]
+            kd, vd = gather_slots(k_cache, slots), gather_slots(v_cache, slots)  # [Hkv, L, D]
+        else:  # consecutive slots: read in place
+            kd, vd = k_cache[:, slot : slot + c1 - c0], v_cache[:, slot : slot + c1 - c0]
         s = _grouped_scores(qg, kd, scale).view(hkv, H // hkv, n, c1 - c0)
-        mask = _tile_mask(q_first, q_first + n, p.key_start + c0, p.key_start + c1, window, qt.device)
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
+        for m0, m1 in ((c0, min(c1, open_lo)), (max(c0, open_hi), c1)):
+            if m0 < m1:
+                mask = _tile_mask(q_first, q_first + n, p.key_start + m0, p.key_start + m1, window, qt.device)
+                if mask is not None:
+                    s[..., m0 - c0 : m1 - c0].masked_fill_(~mask, float("-inf"))
         m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
         probs = torch.exp(s - m_new)
         alpha = torch.exp(m - m_new)

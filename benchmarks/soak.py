@@ -51,6 +51,9 @@ def rss_kib(pid: int) -> int:
 class LocalServer:
     """`hybridkv serve` on a free loopback port, for the length of the soak."""
 
+    url: str  # http://127.0.0.1:<port>
+    port: int
+
     def __init__(self, extra_args: list[str]) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hybridkv", "serve", "--port", "0", "--disable-access-log", *extra_args],
@@ -63,6 +66,7 @@ class LocalServer:
             m = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
             if m:
                 self.url = m.group(1)
+                self.port = int(self.url.rsplit(":", 1)[1])
                 break
             if time.monotonic() > deadline:
                 break
@@ -123,7 +127,11 @@ async def one(session: aiohttp.ClientSession, url: str, body: dict, hang_up_afte
 
 async def metrics(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
     async with session.get(base + "/metrics") as r:
-        text = await r.text()
+        return parse_metrics(await r.text())
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text format -> {'name{labels}': value}."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):

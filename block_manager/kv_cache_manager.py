@@ -28,8 +28,11 @@ from typing import Hashable, Sequence
 from hybridkv.block_manager.block_space import BlockSpace
 from hybridkv.block_manager.block_table import BlockTable
 from hybridkv.block_manager.eviction_policy import EvictionPolicy
+from hybridkv.block_manager.host_pool import HostPool
+from hybridkv.block_manager.host_tier import HostTier
 from hybridkv.block_manager.shadow_index import LockReceipt, ShadowIndex, ShadowNode
 from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
+from hybridkv.block_manager.tier_transfers import TierTransfers
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,7 @@ class PrefixHit:
     device_tokens: int = 0
     host_tokens: int = 0
     storage_tokens: int = 0
+    loads: dict[str, list[int]] = field(default_factory=dict)  # space -> node indices to load back
 
 
 @dataclass
@@ -77,20 +81,37 @@ class KVCacheManager:
         windowed_match: bool = True,
         max_pages_per_request: int = 64,
         max_requests: int = 16,
+        host_pages: dict[str, int] | None = None,
+        hicache_write_policy: str = "write_through",
+        load_back_threshold: int = 0,
     ) -> None:
-        """max_pages_per_request / max_requests only size the block tables up front (they grow)."""
+        """max_pages_per_request / max_requests only size the block tables up front (they grow).
+
+        host_pages: pages of the host tier (HiCache L2) per space; None = no host tier. A prefix
+        hit whose load-back would be under load_back_threshold tokens is served from the device
+        pages alone (recomputing the rest is cheaper than the copy)."""
         if page_size < 1:
             raise ValueError(f"block_size must be >= 1, got {page_size}")
+        if host_pages is not None and not enable_prefix_caching:
+            raise ValueError("the host tier (enable_hierarchical_cache) needs enable_prefix_caching=True")
         self.page_size = page_size
         self.specs = {s.name: s for s in specs}
         self.spaces = {s.name: BlockSpace(s, num_pages[s.name], page_size) for s in specs}
         self.block_tables = {s.name: BlockTable(max_pages_per_request, max_requests) for s in specs}
         self.enable_prefix_caching = enable_prefix_caching
+        self.host_tier = (
+            HostTier({s.name: HostPool(s.name, host_pages[s.name]) for s in specs}, hicache_write_policy)
+            if host_pages is not None
+            else None
+        )
+        self.load_back_threshold = load_back_threshold
         self.index = (
-            ShadowIndex(self.spaces, page_size, EvictionPolicy(eviction_policy), windowed_match)
+            ShadowIndex(self.spaces, page_size, EvictionPolicy(eviction_policy), windowed_match, self.host_tier)
             if enable_prefix_caching
             else None
         )
+        self.num_swap_outs = 0  # preempted requests whose pages were written to the host
+        self.prefix_hits_host = 0  # prompt tokens served by a load-back from the host
         self._requests: dict[str, RequestPages] = {}
         # Counters for metrics (tokens).
         self.prefix_queries = 0
@@ -106,32 +127,37 @@ class KVCacheManager:
             return PrefixHit([], 0, {name: 0 for name in self.spaces})
         max_pages = (len(token_ids) - 1) // self.page_size
         m = self.index.match(token_ids, namespace, max_pages=max_pages, touch=touch)
+        if m.host_tokens and m.host_tokens < self.load_back_threshold:
+            m = self.index.match(token_ids, namespace, max_pages=max_pages, touch=touch, device_only=True)
         n = len(m.nodes)
         per_space = {}
         for name, spec in self.specs.items():
             first = self.index.first_window_page(name, n) if spec.windowed else 0
             per_space[name] = (n - first) * self.page_size
-        return PrefixHit(m.nodes, m.num_tokens, per_space, m.device_tokens, m.host_tokens, m.storage_tokens)
+        return PrefixHit(m.nodes, m.num_tokens, per_space, m.device_tokens, m.host_tokens, m.storage_tokens, m.loads)
 
     def record_query(self, num_prompt_tokens: int, hit: PrefixHit | None) -> None:
         self.prefix_queries += num_prompt_tokens
         if hit is not None:
             self.prefix_hits += hit.num_tokens
+            self.prefix_hits_host += hit.host_tokens
             for name, n in hit.per_space_tokens.items():
                 self.prefix_hits_per_space[name] += n
 
     # -- allocation ----------------------------------------------------------------------------
     def _hit_pages(self, hit: PrefixHit) -> dict[str, list[int]]:
-        """Per space, the table entries a request admitted with this hit starts with."""
+        """Per space, the table entries a request admitted with this hit starts with; entries to
+        be loaded back from the host are None until their device pages are allocated."""
         n = len(hit.nodes)
         out = {}
         for name, spec in self.specs.items():
             first = self.index.first_window_page(name, n) if spec.windowed else 0
+            loads = set(hit.loads.get(name, ()))
             pages = [NULL_PAGE] * first
-            for node in hit.nodes[first:]:
-                page = node.shadows[name]
-                if page is None:
-                    raise AssertionError(f"prefix hit reads a tombstoned {name!r} page {node.depth - 1}")
+            for i in range(first, n):
+                page = hit.nodes[i].shadows[name]
+                if page is None and i not in loads:
+                    raise AssertionError(f"prefix hit reads a tombstoned {name!r} page {i}")
                 pages.append(page)
             out[name] = pages
         return out
@@ -143,7 +169,7 @@ class KVCacheManager:
         for name, pages in hit_pages.items():
             windowed = self.specs[name].windowed
             for node, page in zip(hit.nodes, pages):
-                if page == NULL_PAGE:
+                if page == NULL_PAGE or page is None:
                     continue
                 if (node.swa_lock_ref if windowed else node.full_lock_ref) == 0:
                     out[name] += 1
@@ -196,8 +222,9 @@ class KVCacheManager:
         needs = {
             name: self.specs[name].pages_for(num_tokens, self.page_size) - current[name] for name in self.spaces
         }
+        loads = hit.loads if hit_pages is not None else {}
         protected = self._newly_protected(hit, hit_pages) if hit_pages is not None else None
-        if not self.can_allocate(needs, protected):
+        if not self.can_allocate({n: needs[n] + len(loads.get(n, ())) for n in needs}, protected):
             return False
         if req is None:
             req = RequestPages(
@@ -206,12 +233,13 @@ class KVCacheManager:
             )
             self._requests[request_id] = req
             if hit_pages is not None:
+                # Lock first: the hit's nodes (host-only ones too) are then safe from the
+                # eviction below, on both tiers.
                 for name, pages in hit_pages.items():
                     space = self.spaces[name]
                     for page in pages:
-                        if page != NULL_PAGE:
+                        if page != NULL_PAGE and page is not None:
                             space.incref(page)
-                    self._extend(req, name, pages)
                     if self.specs[name].windowed:
                         req.num_released_pages[name] = pages.count(NULL_PAGE)
                 req.num_inserted_pages = len(hit.nodes)
@@ -220,9 +248,18 @@ class KVCacheManager:
                 if touch_hit:
                     self.index.touch(hit.nodes)
         for name, n in needs.items():
-            short = n - self.spaces[name].num_free
+            short = n + len(loads.get(name, ())) - self.spaces[name].num_free
             if short > 0:
                 self.index.evict(name, short)
+        if hit_pages is not None:
+            for name, pages in hit_pages.items():
+                idx = loads.get(name, ())
+                if idx:  # load-back: fresh device pages, filled from the host before the forward
+                    fresh = self.spaces[name].allocate(len(idx))
+                    for i, page in zip(idx, fresh):
+                        pages[i] = page
+                        self.index.attach_loaded(hit.nodes[i], name, page)
+                self._extend(req, name, pages)
         for name, n in needs.items():
             if n > 0:
                 self._extend(req, name, self.spaces[name].allocate(n))
@@ -287,14 +324,27 @@ class KVCacheManager:
                 nxt = min(nxt, (req.num_released_pages.get(name, 0) + 1) * P + spec.window - 1)
         req.commit_at = nxt
 
-    def retire(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, turn_done: bool) -> None:
+    def retire(
+        self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, turn_done: bool, swap: bool = False
+    ) -> None:
         """The request leaves (finished, aborted or preempted): its computed whole pages stay in
-        the prefix cache (marked as a turn end when turn_done), then every page goes back."""
-        if request_id in self._requests:
+        the prefix cache (marked as a turn end when turn_done), then every page goes back.
+        swap=True (swap preemption): its recorded pages are also written to the host tier now,
+        so when the device evicts them they are demoted, and the resume loads them back."""
+        req = self._requests.get(request_id)
+        if req is not None:
             self.cache_computed_pages(request_id, token_ids, num_computed_tokens)
             if turn_done:
                 self.mark_boundary(request_id)
+            if swap and self.host_tier is not None and req.anchor is not None:
+                for node in req.anchor.path():
+                    self.index.write_node(node)
+                self.num_swap_outs += 1
         self.free(request_id)
+
+    def take_transfers(self) -> TierTransfers:
+        """Device <-> host copies decided since the last call (execute before the next forward)."""
+        return self.host_tier.take_transfers() if self.host_tier is not None else TierTransfers()
 
     def cache_computed_pages(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Record the request's whole computed pages in the prefix index (so others can share them).
@@ -462,6 +512,8 @@ class KVCacheManager:
             assert space.num_in_use == 0, f"space {space.name!r}: {space.num_in_use} pages still in use"
         if self.index is not None:
             assert self.index.num_live_receipts == 0, f"{self.index.num_live_receipts} lock receipts still live"
+        if self.host_tier is not None:
+            assert self.host_tier.transfers.empty, "tier copies were decided but never executed"
 
 
 class _Tail(Sequence):

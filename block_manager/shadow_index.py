@@ -45,6 +45,7 @@ from typing import Hashable, Iterator, Sequence
 
 from hybridkv.block_manager.block_space import BlockSpace
 from hybridkv.block_manager.eviction_policy import EvictionPolicy, EvictionQueue
+from hybridkv.block_manager.host_tier import SELECTIVE_MIN_HITS, HostTier
 from hybridkv.block_manager.space_spec import NULL_PAGE
 
 TOMBSTONE = None  # shadow of a windowed space whose page was dropped
@@ -57,7 +58,8 @@ class ShadowNode:
     key: tuple[int, ...]
     parent: "ShadowNode | None"
     depth: int  # pages from the root to this node, inclusive (the node ends at token depth*P)
-    shadows: dict[str, int | None] = field(default_factory=dict)
+    shadows: dict[str, int | None] = field(default_factory=dict)  # device page per space
+    host: dict[str, int | None] = field(default_factory=dict)  # host page per space (host tier on)
     children: dict[tuple[int, ...], "ShadowNode"] = field(default_factory=dict)
     full_lock_ref: int = 0
     swa_lock_ref: int = 0
@@ -107,6 +109,8 @@ class MatchResult:
     host_tokens: int = 0
     storage_tokens: int = 0
     full_tokens: int = 0
+    # space -> indices into nodes whose page in that space must be loaded back from the host
+    loads: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -129,9 +133,11 @@ class ShadowIndex:
         page_size: int,
         policy: EvictionPolicy | None = None,
         windowed_match: bool = True,
+        host_tier: HostTier | None = None,
     ) -> None:
         """windowed_match=False is the baseline that drops the whole prefix as soon as any
-        windowed page on it is gone (kept for benchmarks and tests to compare against)."""
+        windowed page on it is gone (kept for benchmarks and tests to compare against).
+        host_tier: keep shadows on the host too (see "Host tier" below)."""
         self.spaces = spaces
         self.page_size = page_size
         self.policy = policy or EvictionPolicy()
@@ -150,6 +156,15 @@ class ShadowIndex:
         self._unlocked = EvictionQueue(self.policy)
         self._idle = {s: EvictionQueue(self.policy) for s in self.windows}
         self._tail = {s: EvictionQueue(self.policy) for s in self.windows}
+        self.tier = host_tier
+        if host_tier is not None:
+            # _dev_unlocked: unlocked nodes with a device page in a whole-history space (demotion
+            # candidates); _host_leaves: unlocked leaves with no device page at all (host
+            # eviction deletes them); _host_dups: unlocked nodes with a page on both tiers in some
+            # space (host eviction may drop those host copies: the device still has the data).
+            self._dev_unlocked = EvictionQueue(self.policy)
+            self._host_leaves = EvictionQueue(self.policy)
+            self._host_dups = EvictionQueue(self.policy)
 
     @property
     def num_nodes(self) -> int:
@@ -188,15 +203,22 @@ class ShadowIndex:
             self.evictable[space] += sign
 
     def _has_data(self, node: ShadowNode) -> bool:
+        return any(p is not None for p in node.shadows.values()) or any(p is not None for p in node.host.values())
+
+    def _present(self, node: ShadowNode, space: str) -> bool:
+        """The node's data in this space exists on some tier (device, or host)."""
+        return node.shadows[space] is not None or node.host.get(space) is not None
+
+    def _on_device(self, node: ShadowNode) -> bool:
         return any(p is not None for p in node.shadows.values())
 
     def _is_dead_leaf(self, node: ShadowNode) -> bool:
-        """An unlocked leaf that can serve no hit: no data, or a windowed shadow tombstoned (a
-        match ending at a node needs that node's own windowed pages). The index drops these at
-        once, so eviction never has to skip them."""
+        """An unlocked leaf that can serve no hit: no data, or a windowed shadow tombstoned on
+        every tier (a match ending at a node needs that node's own windowed pages). The index
+        drops these at once, so eviction never has to skip them."""
         if node.children or node.full_lock_ref or node.is_root:
             return False
-        return not self._has_data(node) or any(node.shadows[s] is None for s in self.windows)
+        return not self._has_data(node) or any(not self._present(node, s) for s in self.windows)
 
     # -- eviction queues: membership follows the node's state -----------------------------------
     def _window_queue(self, node: ShadowNode, space: str) -> EvictionQueue | None:
@@ -205,28 +227,39 @@ class ShadowIndex:
             return None
         return self._tail[space] if node.tail_refs[space] else self._idle[space]
 
+    @staticmethod
+    def _place(q: EvictionQueue, node: ShadowNode, want: bool, touch: bool) -> None:
+        if want:
+            if touch or node not in q:
+                q.add(node)
+        else:
+            q.discard(node)
+
     def _sync(self, node: ShadowNode, touch: bool = False) -> None:
         """Put node in exactly the queues its state calls for. touch=True also moves it to the
         back of each (it was just used); otherwise a node that stays keeps its place."""
-        if node.full_lock_ref == 0:
-            if touch or node not in self._unlocked:
-                self._unlocked.add(node)
-        else:
-            self._unlocked.discard(node)
+        unlocked = node.full_lock_ref == 0
+        self._place(self._unlocked, node, unlocked, touch)
         for s in self.windows:
             want = self._window_queue(node, s)
             for q in (self._idle[s], self._tail[s]):
-                if q is want:
-                    if touch or node not in q:
-                        q.add(node)
-                else:
-                    q.discard(node)
+                self._place(q, node, q is want, touch)
+        if self.tier is not None:
+            on_device = self._on_device(node)
+            self._place(self._dev_unlocked, node,
+                        unlocked and any(node.shadows[s] is not None for s in self.whole), touch)
+            self._place(self._host_leaves, node, unlocked and not on_device and not node.children, touch)
+            self._place(self._host_dups, node, unlocked and any(
+                node.shadows[s] is not None and node.host[s] is not None for s in node.host), touch)
 
     def _forget(self, node: ShadowNode) -> None:
         self._unlocked.discard(node)
         for s in self.windows:
             self._idle[s].discard(node)
             self._tail[s].discard(node)
+        if self.tier is not None:
+            for q in (self._dev_unlocked, self._host_leaves, self._host_dups):
+                q.discard(node)
 
     def _touch(self, nodes: Sequence[ShadowNode], hit: bool) -> None:
         """Mark nodes (a root -> node path, top-down) as just used. Updated bottom-up, so within a
@@ -239,9 +272,15 @@ class ShadowIndex:
             self._sync(nd, touch=True)
 
     def touch(self, nodes: Sequence[ShadowNode]) -> None:
-        """Count a prefix hit once it is admitted (match(touch=False) before that)."""
+        """Count a prefix hit once it is admitted (match(touch=False) before that). Under
+        write_through_selective a node hit often enough is written to the host now (the caller
+        holds a lock on nodes, so the host room this makes never deletes them)."""
         if nodes:
             self._touch(nodes, hit=True)
+            if self.tier is not None and self.tier.write_policy == "write_through_selective":
+                for nd in nodes:
+                    if nd.hit_count >= SELECTIVE_MIN_HITS:
+                        self.write_node(nd)
 
     # -- tail points (windowed spaces) -----------------------------------------------------------
     def _is_tail_point(self, node: ShadowNode) -> bool:
@@ -268,12 +307,18 @@ class ShadowIndex:
 
     # -- match ------------------------------------------------------------------------------------
     def match(
-        self, token_ids: Sequence[int], namespace: Hashable = None, max_pages: int | None = None, touch: bool = True
+        self, token_ids: Sequence[int], namespace: Hashable = None, max_pages: int | None = None, touch: bool = True,
+        device_only: bool = False,
     ) -> MatchResult:
         """Longest page-aligned prefix (at most max_pages) that is SWA-valid: every node on it
         exists (so its whole-history shadows are present) and, for each windowed space, the pages
         from the space's window start before the boundary up to the boundary are live. A prefix
-        whose window reaches the root needs no more than what exists. Costs the prompt's pages."""
+        whose window reaches the root needs no more than what exists. Costs the prompt's pages.
+
+        With a host tier a shadow is live on either tier; `loads` lists, per space, the hit
+        nodes whose page the caller must load back (only the pages the request will read:
+        every node in whole-history spaces, the last window in windowed ones). device_only
+        counts device pages alone (the hit a load-back below its threshold falls back to)."""
         P = self.page_size
         node = self._root(namespace, create=False)
         n = len(token_ids) // P if max_pages is None else min(max_pages, len(token_ids) // P)
@@ -284,6 +329,13 @@ class ShadowIndex:
                 if node is None:
                     break
                 path.append(node)
+        tiered = self.tier is not None
+        if tiered and device_only:  # a node without its whole-history device pages ends the path
+            for d, nd in enumerate(path):
+                if any(nd.shadows[s] is None for s in self.whole):
+                    del path[d:]
+                    break
+        live = self._present if tiered and not device_only else (lambda nd, s: nd.shadows[s] is not None)
         best = 0
         if not self.windows:
             best = len(path)
@@ -293,20 +345,33 @@ class ShadowIndex:
             for d, nd in enumerate(path, start=1):
                 ok = True
                 for s in self.windows:
-                    run[s] = run[s] + 1 if nd.shadows[s] is not None else 0
+                    run[s] = run[s] + 1 if live(nd, s) else 0
                     if run[s] < d - self.first_window_page(s, d):
                         ok = False
                 if ok:
                     best = d
         else:  # baseline: a tombstone anywhere on the path ends the prefix before it
             for d, nd in enumerate(path, start=1):
-                if any(nd.shadows[s] is None for s in self.windows):
+                if any(not live(nd, s) for s in self.windows):
                     break
                 best = d
         hit = path[:best]
+        loads: dict[str, list[int]] = {}
+        host_pages = 0
+        if tiered and hit:
+            need_host = [False] * best
+            for s in self.spaces:
+                first = self.first_window_page(s, best) if s in self.windows else 0
+                idx = [i for i in range(first, best) if hit[i].shadows[s] is None]
+                if idx:
+                    loads[s] = idx
+                    for i in idx:
+                        need_host[i] = True
+            host_pages = sum(need_host)
         if touch and hit:
             self._touch(hit, hit=True)
-        return MatchResult(hit, best * P, best * P, full_tokens=len(path) * P)
+        return MatchResult(hit, best * P, (best - host_pages) * P, host_tokens=host_pages * P,
+                           full_tokens=len(path) * P, loads=loads)
 
     # -- insert -----------------------------------------------------------------------------------
     def insert(
@@ -331,7 +396,7 @@ class ShadowIndex:
         num_pages = min(len(token_ids) // self.page_size, min(len(t) for t in pages.values()))
         node = start if start is not None else self._root(namespace, create=True)
         duplicates: dict[str, list[tuple[int, int]]] = {s: [] for s in pages}
-        adopted: dict[str, list[int]] = {s: [] for s in self.windows}
+        adopted: dict[str, list[int]] = {s: [] for s in pages}
         walked: list[ShadowNode] = []
         new = 0
         for i in range(node.depth, num_pages):
@@ -340,6 +405,8 @@ class ShadowIndex:
             if child is None:
                 child = ShadowNode(key=key, parent=node, depth=node.depth + 1, priority=priority, seq=next(self._seq))
                 child.tail_refs = {s: 0 for s in self.windows}
+                if self.tier is not None:
+                    child.host = {s: None for s in self.spaces}
                 for s, table in pages.items():
                     page = table[i]
                     if page == NULL_PAGE:
@@ -354,6 +421,10 @@ class ShadowIndex:
                 self._nodes.add(child)
                 self._update_tail_point(child)
                 self._update_tail_point(node)
+                if self.tier is not None:
+                    self._sync(node)  # it has a child now: no longer a host-eviction leaf
+                    if self.tier.write_policy == "write_through":
+                        self.write_node(child)
                 new += 1
             else:
                 child.hit_count += 1
@@ -362,11 +433,13 @@ class ShadowIndex:
                     page, mine = child.shadows[s], table[i]
                     if mine == NULL_PAGE or mine == page:
                         continue
-                    if page is None:  # heal: adopt the request's live page
+                    if page is None:  # heal: adopt the request's live page (its device copy was gone)
                         self.spaces[s].add_to_index(mine)
                         child.shadows[s] = mine
                         self._ledger_add(child, s, +1)
                         adopted[s].append(i)
+                        if self.tier is not None:
+                            self._sync(child)
                     else:
                         duplicates[s].append((i, page))
             walked.append(child)
@@ -384,8 +457,9 @@ class ShadowIndex:
     def _full_inc(self, nd: ShadowNode) -> None:
         if nd.full_lock_ref == 0:
             for s in self.whole:
-                self.evictable[s] -= 1
-                self.protected[s] += 1
+                if nd.shadows[s] is not None:  # a host-only node has no device page to protect
+                    self.evictable[s] -= 1
+                    self.protected[s] += 1
             nd.full_lock_ref = 1
             self._sync(nd)
         else:
@@ -397,8 +471,9 @@ class ShadowIndex:
         nd.full_lock_ref -= 1
         if nd.full_lock_ref == 0:
             for s in self.whole:
-                self.protected[s] -= 1
-                self.evictable[s] += 1
+                if nd.shadows[s] is not None:
+                    self.protected[s] -= 1
+                    self.evictable[s] += 1
 
     def _swa_inc(self, nd: ShadowNode) -> None:
         nd.swa_lock_ref += 1
@@ -568,6 +643,15 @@ class ShadowIndex:
         # dead leaves, whose pages in this space are freed too.
         if space not in self.windows:
             while pool.num_free - start < num_pages:
+                if self.tier is not None:
+                    nd = self._dev_unlocked.first()
+                    if nd is None:
+                        break
+                    if self._demote(nd):
+                        continue
+                    if not nd.children:  # it cannot go to the host: it goes
+                        self._delete(nd)
+                        continue
                 leaf = self._first_leaf()
                 if leaf is None:
                     break
@@ -589,20 +673,130 @@ class ShadowIndex:
                 if leaf.children or leaf.full_lock_ref:
                     self._tombstone(leaf, space)
                     continue
+            if self.tier is not None and self._demote(leaf):
+                continue
             self._delete(leaf)
         return pool.num_free - start
 
     def _tombstone(self, node: ShadowNode, space: str) -> None:
-        """Drop a windowed shadow; remove the node too if that left it a dead leaf."""
+        """Drop a windowed device shadow (kept on the host when the write policy allows it);
+        remove the node too if that left it a dead leaf."""
         if node.swa_lock_ref:
             raise AssertionError("tombstoning an SWA-locked shadow")
-        page = node.shadows[space]
-        self.evictable[space] -= 1
-        node.shadows[space] = TOMBSTONE
-        self.spaces[space].remove_from_index(page)
+        if self.tier is not None and self._wants_host_copy(node):
+            self._write(node, space)
+        self._drop_device(node, space)
         self._sync(node)
         if self._is_dead_leaf(node):
             self._delete(node)
+
+    def _drop_device(self, node: ShadowNode, space: str) -> None:
+        page = node.shadows[space]
+        self._ledger_add(node, space, -1)
+        node.shadows[space] = TOMBSTONE
+        self.spaces[space].remove_from_index(page)
+
+    # -- host tier --------------------------------------------------------------------------------
+    # A node's shadow in a space lives on the device (shadows), the host (host), both, or neither
+    # (a windowed tombstone). Whole-history data is always on some tier while the node lives.
+    # Device eviction *demotes* (drops the device pages of a node whose data is on the host) before
+    # it deletes; host eviction deletes unlocked host-only leaves, then drops host copies of
+    # unlocked nodes the device still holds. Locked nodes are never touched on either tier, and a
+    # node being loaded back is locked by its request and has device pages, so its host copy
+    # stays until the copy ran (the engine executes the step's transfers before the forward).
+    def _wants_host_copy(self, node: ShadowNode) -> bool:
+        """Whether a device page leaving this node goes to the host first (write_back writes
+        here; write_through already did unless the host was full; selective writes only hot
+        nodes, and interior nodes, whose subtree needs them to stay reachable)."""
+        if self.tier.write_policy != "write_through_selective":
+            return True
+        return node.hit_count >= SELECTIVE_MIN_HITS or bool(node.children)
+
+    def _host_page(self, space: str, keep: ShadowNode | None) -> int | None:
+        """A free host page of `space`, evicting on the host if needed (never `keep`)."""
+        pool = self.tier.pools[space]
+        while pool.num_free == 0:
+            victim = next((n for n in self._host_leaves if n is not keep), None)
+            if victim is not None:
+                self.tier.stats.host_evicted_nodes += 1
+                self._delete(victim)
+                continue
+            victim = next((n for n in self._host_dups if n is not keep), None)
+            if victim is None:
+                return None
+            self.tier.stats.host_copies_dropped += 1
+            for s, h in victim.host.items():
+                if h is not None and victim.shadows[s] is not None:
+                    self._free_host(victim, s)
+            self._sync(victim)
+        return pool.allocate()
+
+    def _write(self, node: ShadowNode, space: str) -> bool:
+        """Make sure node's device page in `space` has a host copy (queue the copy). False when
+        the host has no room."""
+        if node.host[space] is not None or node.shadows[space] is None:
+            return node.host[space] is not None
+        h = self._host_page(space, keep=node)
+        if h is None:
+            self.tier.stats.write_failures += 1
+            return False
+        node.host[space] = h
+        self.tier.transfers.write(space, node.shadows[space], h)
+        self.tier.stats.written_pages[space] += 1
+        return True
+
+    def write_node(self, node: ShadowNode) -> bool:
+        """Copy every device page of node to the host (write-through, swap-out). True when every
+        page of it now has a host copy."""
+        ok = True
+        for s in self.spaces:
+            if node.shadows[s] is not None:
+                ok = self._write(node, s) and ok
+        self._sync(node)
+        return ok
+
+    def _free_host(self, node: ShadowNode, space: str) -> None:
+        h = node.host[space]
+        node.host[space] = None
+        self.tier.transfers.cancel_write(space, h)
+        self.tier.pools[space].free(h)
+
+    def _demote(self, node: ShadowNode) -> bool:
+        """Drop every device page of an unlocked node whose pages are (now) all on the host.
+        False -- nothing dropped -- when a whole-history page cannot get a host copy (no room,
+        or the selective policy keeps this leaf off the host): the caller deletes instead."""
+        if node.full_lock_ref:
+            raise AssertionError("demoting a locked node")
+        if not self._wants_host_copy(node):
+            return False
+        for s in self.whole:
+            if not self._write(node, s):
+                return False
+        for s in self.windows:
+            if node.shadows[s] is not None:
+                self._write(node, s)  # a windowed page without room is simply tombstoned
+        for s in self.spaces:
+            if node.shadows[s] is not None:
+                self._drop_device(node, s)
+        self.tier.stats.demoted_nodes += 1
+        self._sync(node)
+        if self._is_dead_leaf(node):
+            self._delete(node)
+        return True
+
+    def attach_loaded(self, node: ShadowNode, space: str, device_page: int) -> None:
+        """A request admitted with a host hit holds device_page for node's data in space: the
+        index records it as the node's device shadow and queues the host -> device copy. The
+        caller holds a lock on node (taken first) and a reference on the page."""
+        h = node.host[space]
+        if node.shadows[space] is not None or h is None:
+            raise AssertionError(f"space {space!r}: load-back of a node that is not host-only there")
+        self.spaces[space].add_to_index(device_page)
+        node.shadows[space] = device_page
+        self._ledger_add(node, space, +1)
+        self.tier.transfers.load(space, h, device_page)
+        self.tier.stats.loaded_pages[space] += 1
+        self._sync(node)
 
     def _delete(self, node: ShadowNode) -> None:
         """Delete an unlocked leaf, then every ancestor that became a dead leaf, and the
@@ -616,6 +810,9 @@ class ShadowIndex:
                     self.evictable[s] -= 1
                     self.spaces[s].remove_from_index(page)
                     node.shadows[s] = TOMBSTONE
+            for s, h in node.host.items():
+                if h is not None:
+                    self._free_host(node, s)
             self._forget(node)
             parent = node.parent
             del parent.children[node.key]
@@ -625,6 +822,8 @@ class ShadowIndex:
                     del self._roots[parent.namespace]
                 return
             self._update_tail_point(parent)
+            if self.tier is not None:
+                self._sync(parent)  # it may be a leaf now
             node = parent
             if not self._is_dead_leaf(node):
                 return
@@ -642,6 +841,7 @@ class ShadowIndex:
         evictable = {n: 0 for n in self.spaces}
         protected = {n: 0 for n in self.spaces}
         referenced: dict[str, set[int]] = {n: set() for n in self.spaces}
+        host_referenced: dict[str, set[int]] = {n: set() for n in self.spaces}
         seen = 0
         stamps: dict[int, ShadowNode] = {}
         for ns, root in self._roots.items():
@@ -663,9 +863,14 @@ class ShadowIndex:
                 for rid in child.swa_receipts:
                     assert rid not in stamps, f"receipt {rid} stamped twice"
                     stamps[rid] = child
+                for s, h in child.host.items():
+                    if h is not None:
+                        assert h not in host_referenced[s], f"space {s!r}: host page {h} in the index twice"
+                        host_referenced[s].add(h)
                 for s, page in child.shadows.items():
                     if page is None:
-                        assert s in self.windows, f"whole-history space {s!r} has a tombstone"
+                        assert s in self.windows or child.host.get(s) is not None, (
+                            f"whole-history space {s!r} has a tombstone (on every tier)")
                         continue
                     assert page != NULL_PAGE, f"space {s!r}: the null page is in the index"
                     assert page not in referenced[s], f"space {s!r}: page {page} in the index twice"
@@ -684,6 +889,8 @@ class ShadowIndex:
             )
             in_index = {p for p in range(space.num_physical_pages) if space.in_index[p]}
             assert in_index == referenced[s], f"space {s!r}: index ledger differs from the tree"
+            if self.tier is not None:
+                self.tier.pools[s].check_invariants(host_referenced[s])
         # Every live receipt's SWA boundary carries its stamp, and no stamp is orphaned.
         live_swa = {r.id: r.swa_boundary for r in self._live_receipts.values() if r.swa_held}
         assert set(stamps) == set(live_swa), f"stale swa stamps {set(stamps) ^ set(live_swa)}"
@@ -729,3 +936,14 @@ class ShadowIndex:
             assert set(self._tail[s]) == tails, f"space {s!r}: tail queue differs from the tail shadows"
             assert set(self._idle[s]) == live - tails, f"space {s!r}: idle queue differs from the idle shadows"
             assert len(self._idle[s]) + len(self._tail[s]) == self.evictable[s], f"space {s!r}: queues vs ledger"
+        if self.tier is not None:
+            dev = {nd for nd in unlocked if any(nd.shadows[s] is not None for s in self.whole)}
+            leaves = {nd for nd in unlocked if not nd.children and not self._on_device(nd)}
+            dups = {nd for nd in unlocked if any(nd.shadows[s] is not None and nd.host[s] is not None for s in nd.host)}
+            assert set(self._dev_unlocked) == dev, "the demotion queue differs from the unlocked device nodes"
+            assert set(self._host_leaves) == leaves, "the host-eviction queue differs from the host-only leaves"
+            assert set(self._host_dups) == dups, "the host-copy queue differs from the nodes on both tiers"
+            for nd in self._nodes:
+                if nd.full_lock_ref:
+                    assert all(nd.shadows[s] is not None for s in self.whole), (
+                        "a locked node is not on the device (a load-back was not attached)")

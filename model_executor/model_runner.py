@@ -85,7 +85,7 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator().manual_seed(seed))
         self.kv: KVCacheManager | None = None
         self.windows: dict[str, int | None] = {}
-        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.kv_caches: dict[str, list[torch.Tensor]] = {}  # space -> all its physical tensors (slots on dim -2)
         # Assert every step that no new token is written into a space's null page (tests set
         # this attribute directly; HYBRIDKV_DEBUG_CHECKS=1 sets it for a whole run).
         self.debug_checks = debug_checks_enabled()

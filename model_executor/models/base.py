@@ -49,9 +49,11 @@ class CausalLM(nn.Module):
     # -- hooks with defaults -------------------------------------------------------------------
     def allocate_kv_cache(
         self, kv: "KVCacheManager", backend, dtype: torch.dtype, device: torch.device
-    ) -> dict[str, torch.Tensor]:
+    ) -> dict[str, list[torch.Tensor]]:
         """Allocate each space's physical K/V tensors and bind every attention layer its slice
-        and the attention backend. Returns space -> its [layers, 2, Hkv, slots, D] tensor.
+        and the attention backend. Returns space -> every physical tensor of that space (here
+        one, [layers, 2, Hkv, slots, D]); in each, the slot dimension is dim -2 and slot s is in
+        page s // slots_per_page, the contract the host tier (HostKVCache) copies pages by.
 
         Head-major [Hkv, slots, D] per layer: a gather of any slots yields one contiguous block per
         KV head, the layout the attention matmuls read fastest. Allocated uninitialised (a pool
@@ -71,7 +73,7 @@ class CausalLM(nn.Module):
             for i, attn in enumerate(attns):
                 attn.k_cache, attn.v_cache = cache[i, 0], cache[i, 1]
                 attn.backend = backend
-            caches[name] = cache
+            caches[name] = [cache]
         return caches
 
     def build_attention_metadata(

@@ -19,19 +19,25 @@ from hybridkv.block_manager.space_spec import NULL_PAGE, window_start
 
 P, H, HKV, D = 4, 4, 2, 8
 NUM_PAGES = 200  # real pages 1..NUM_PAGES; page 0 is the null page
-SMALL_TILES = TileSizes(kv_chunk=8, decode_tile_keys=24, prefill_q_tile=5, prefill_single_shot_keys=12)
+SMALL_TILES = TileSizes(kv_chunk=8, decode_tile_keys=24, prefill_q_tile=5, prefill_single_shot_keys=12,
+                        min_view_keys=P)
 
 
 class _Step:
     """One step: the block table rows, cached K/V for the positions before each chunk, and the
     new tokens' q/k/v. Logical K/V per sequence and position are kept for the reference."""
 
-    def __init__(self, spans: list[tuple[int, int]], window: int | None, seed: int) -> None:
+    def __init__(self, spans: list[tuple[int, int]], window: int | None, seed: int, pages: str = "shuffled") -> None:
         rng = random.Random(seed)
         g = torch.Generator().manual_seed(seed)
         self.spans, self.window = spans, window
-        pool = list(range(1, NUM_PAGES + 1))
-        rng.shuffle(pool)
+        pool = list(range(NUM_PAGES, 0, -1))  # popped from the end: "consecutive" = ascending pages
+        if pages == "shuffled":
+            rng.shuffle(pool)
+        elif pages == "runs":  # runs of 3 consecutive pages in random order: views and gathers mixed
+            runs = [pool[i : i + 3] for i in range(0, NUM_PAGES, 3)]
+            rng.shuffle(runs)
+            pool = [x for r in runs for x in r]
         self.k_cache = torch.full((HKV, (NUM_PAGES + 1) * P, D), float("nan"))
         self.v_cache = torch.full((HKV, (NUM_PAGES + 1) * P, D), float("nan"))
         self.k_cache[:, :P] = 0  # the null page
@@ -72,10 +78,11 @@ class _Step:
 SPANS = [(40, 1), (3, 1), (0, 1), (101, 1), (0, 12), (20, 15), (33, 40)]
 
 
+@pytest.mark.parametrize("pages", ["shuffled", "runs", "consecutive"])
 @pytest.mark.parametrize("window", [None, 7, 30])
 @pytest.mark.parametrize("tiles", [DEFAULT_TILES, SMALL_TILES], ids=["default_tiles", "small_tiles"])
-def test_backend_matches_dense_reference_over_random_pages(window, tiles):
-    step = _Step(SPANS, window, seed=0 if window is None else window)
+def test_backend_matches_dense_reference_over_random_pages(window, tiles, pages):
+    step = _Step(SPANS, window, seed=0 if window is None else window, pages=pages)
     meta = build_attention_metadata(step.seqs, {"full": window}, P, tiles)
     got = TorchNativeAttention().forward(step.q, step.k, step.v, step.k_cache, step.v_cache, meta, "full", D**-0.5)
     assert not got.isnan().any(), "a masked key read uninitialised (NaN) pool memory"
@@ -88,6 +95,27 @@ def test_small_tiles_exercise_every_path():
     assert sm.decode_split and len(sm.decode_tiles) > 1
     assert max(t.slots.numel() for t in sm.decode_tiles) <= SMALL_TILES.decode_tile_keys
     assert [p.own_kv for p in sm.prefills] == [True, False, False]
+
+
+def test_key_blocks_read_runs_in_place_and_gather_the_rest():
+    """A prefill's keys are cut at run boundaries: runs of at least min_view_keys consecutive
+    slots become views (a slot), shorter runs merge into gathered blocks; together the blocks
+    cover the key range exactly once, in order, none longer than the chunk."""
+    for pages in ("shuffled", "runs", "consecutive"):
+        step = _Step([(33, 40)], None, seed=3, pages=pages)
+        p = build_attention_metadata(step.seqs, {"full": None}, P, SMALL_TILES).spaces["full"].prefills[0]
+        for k0, k1, chunk, min_view in ((0, 73, 8, P), (5, 70, 1000, 2 * P), (0, 73, 73, 1)):
+            blocks = p.key_blocks(k0, k1, chunk, min_view)
+            assert [b[0] for b in blocks] == [k0] + [b[1] for b in blocks[:-1]] and blocks[-1][1] == k1
+            for c0, c1, slot in blocks:
+                assert c1 - c0 <= chunk
+                if slot is not None:
+                    assert p.key_slots[c0:c1].tolist() == list(range(slot, slot + c1 - c0))
+            views = sum(c1 - c0 for c0, c1, s in blocks if s is not None)
+            if pages == "consecutive":
+                assert views == k1 - k0, "one run of consecutive pages must be read in place"
+            if pages == "shuffled" and min_view > P:
+                assert views <= P * 2, "random pages are short runs: gathered"
 
 
 def test_all_decodes_only_and_one_tile_fast_path():

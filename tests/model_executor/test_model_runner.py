@@ -74,7 +74,7 @@ def test_step_metadata_comes_from_the_block_tables(llm):
 
 def test_kv_pool_has_a_zeroed_null_page_per_space(llm):
     kv, runner = llm.engine.kv, llm.engine.runner
-    (cache,) = runner.kv_caches.values()  # [layers, 2, Hkv, slots, D]
+    ((cache,),) = runner.kv_caches.values()  # one space, one [layers, 2, Hkv, slots, D] tensor
     assert cache.shape[3] == kv.spaces["full"].num_physical_pages * kv.page_size
     assert (cache[:, :, :, : kv.page_size] == 0).all()
 

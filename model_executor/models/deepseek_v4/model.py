@@ -115,10 +115,14 @@ class DeepseekV4ForCausalLM(CausalLM):
             cfg.hca_ratio if cfg.num_hca_layers else None,
         )
 
-    def allocate_kv_cache(self, kv, backend, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    def allocate_kv_cache(
+        self, kv, backend, dtype: torch.dtype, device: torch.device
+    ) -> dict[str, list[torch.Tensor]]:
         """Allocate every space's tensors and bind each layer's views. V4's layers use their own
         hybrid backend (HybridV4Attention), so `backend` is not used. Uninitialised except the
-        null page: every masked or padded read of the hybrid metadata points at its slot 0."""
+        null page: every masked or padded read of the hybrid metadata points at its slot 0.
+        Returns every tensor of each space (swa; c4/c128 and indexer per layer; state x2 per
+        compressor), slots on dim -2: a page copy to the host tier must cover all of them."""
         P = kv.page_size
         slots = {name: s.num_physical_pages * s.spec.slots_per_page(P) for name, s in kv.spaces.items()}
         null = {name: s.spec.slots_per_page(P) for name, s in kv.spaces.items()}
@@ -151,7 +155,7 @@ class DeepseekV4ForCausalLM(CausalLM):
                     pool(INDEXER, slots[INDEXER], cI, dtype=dtype),
                 )
             attn.cache = cache
-        return {name: ts[0] for name, ts in caches.items() if ts}
+        return {name: ts for name, ts in caches.items() if ts}
 
     def build_attention_metadata(
         self, seqs: StepSequences, windows: dict[str, int | None], page_size: int

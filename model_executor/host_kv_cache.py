@@ -1,0 +1,197 @@
+"""HostKVCache: the host (CPU RAM) pages of the HiCache tier and the batched page copies
+between them and the device KV tensors.
+
+The block manager decides which pages move (a TierTransfers); this class owns the host tensors
+and executes the copies. A space's device tensors are whatever the model's allocate_kv_cache
+returned for it; in each, the slot dimension is dim -2 and slot s belongs to page
+s // slots_per_page, so `t.unflatten(-2, (num_pages, slots_per_page))` is a view whose dim -3
+is the page: one index_select gathers any set of pages and one index_copy_ scatters them.
+
+Layouts of the host buffer:
+  page_first (default): per space one uint8 tensor [host_pages, bytes_per_page]; a page's bytes
+    for every tensor of the space (all layers) are one contiguous row, tensor after tensor in
+    list order, each tensor's page slice in C order. A page moves as one contiguous host row
+    (one large DMA, one row gather/scatter on the CPU) instead of one small strided piece per
+    layer: the layout that doubled SGLang's host I/O.
+  layer_first: per device tensor a host tensor of the same dtype and shape, with
+    host_pages * slots_per_page slots on dim -2 (mirrors the device; simple, but a page is
+    scattered over every layer's tensor).
+
+Ordering contract (block_manager/tier_transfers.py): apply() runs every device->host copy of
+every space before any host->device copy, so a device page queued for the host and then reused
+by a load-back in the same pass is read before it is overwritten. Host page ids are
+0..host_pages-1, all usable (the host has no null page); device page 0 is the device null page
+and is never a copy source or target.
+"""
+from __future__ import annotations
+
+import torch
+
+from hybridkv.block_manager.space_spec import NULL_PAGE
+from hybridkv.block_manager.tier_transfers import TierTransfers
+
+LAYOUTS = ("page_first", "layer_first")
+
+
+class HostKVCache:
+    """Host pages for the spaces named in host_pages, and apply() to execute a TierTransfers."""
+
+    def __init__(
+        self,
+        device_caches: dict[str, list[torch.Tensor]],
+        slots_per_page: dict[str, int],
+        host_pages: dict[str, int],
+        layout: str = "page_first",
+        pin_memory: bool = False,
+    ) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown host KV layout {layout!r}; use one of {', '.join(map(repr, LAYOUTS))}")
+        self.layout = layout
+        # Pinning needs a CUDA driver (torch raises without one); on CPU-only builds there is no
+        # DMA to speed up, so the request is moot.
+        self.pinned = pin_memory and torch.cuda.is_available()
+        self.device_caches = {name: list(ts) for name, ts in device_caches.items()}
+        self.slots_per_page: dict[str, int] = {}
+        self.host_pages: dict[str, int] = {}
+        self.num_pages: dict[str, int] = {}  # device pages per space, the null page included
+        self.bytes_per_page: dict[str, int] = {}
+        self._tensor_bytes: dict[str, list[int]] = {}  # one page's bytes in each device tensor
+        # page_first: [one uint8 tensor]; layer_first: one tensor per device tensor.
+        self.host: dict[str, list[torch.Tensor]] = {}
+        for name, n in host_pages.items():
+            self._add_space(name, self.device_caches.get(name), slots_per_page.get(name), n)
+        self.nbytes = sum(h.numel() * h.element_size() for hs in self.host.values() for h in hs)
+
+    def _add_space(self, name: str, tensors: list[torch.Tensor] | None, spp: int | None, n: int) -> None:
+        if not tensors:
+            raise ValueError(f"space {name!r} has host pages but no device tensors")
+        if not spp or spp < 1:
+            raise ValueError(f"space {name!r} needs a positive slots_per_page, got {spp!r}")
+        if n < 0:
+            raise ValueError(f"space {name!r}: host_pages must be >= 0, got {n}")
+        pages = set()
+        for t in tensors:
+            if t.dim() < 2 or t.shape[-2] % spp:
+                raise ValueError(
+                    f"space {name!r}: tensor of shape {tuple(t.shape)} has no slot dim -2 divisible by {spp}"
+                )
+            pages.add(t.shape[-2] // spp)
+        if len(pages) != 1:
+            raise ValueError(f"space {name!r}: its tensors disagree on the number of pages {sorted(pages)}")
+        num_pages = pages.pop()
+        tensor_bytes = [t.numel() // num_pages * t.element_size() for t in tensors]
+        if self.layout == "page_first":
+            host = [torch.empty(n, sum(tensor_bytes), dtype=torch.uint8, pin_memory=self.pinned)]
+        else:
+            host = [
+                torch.empty(*t.shape[:-2], n * spp, t.shape[-1], dtype=t.dtype, pin_memory=self.pinned)
+                for t in tensors
+            ]
+        self.slots_per_page[name], self.host_pages[name], self.num_pages[name] = spp, n, num_pages
+        self._tensor_bytes[name], self.bytes_per_page[name] = tensor_bytes, sum(tensor_bytes)
+        self.host[name] = host
+
+    # -- copies ------------------------------------------------------------------------------
+    def apply(self, transfers: TierTransfers) -> tuple[int, int]:
+        """Execute every to_host copy, then every to_device copy (the TierTransfers contract).
+        Returns (bytes copied to the host, bytes copied to the device). Everything is validated
+        first, so a bad page id raises before any page moves."""
+        self._validate(transfers)
+        to_host = to_device = 0
+        for name, pairs in transfers.to_host.items():
+            if pairs:
+                self._to_host(name, list(pairs), list(pairs.values()))
+                to_host += len(pairs) * self.bytes_per_page[name]
+        for name, pairs in transfers.to_device.items():
+            if pairs:
+                self._to_device(name, list(pairs.values()), list(pairs))
+                to_device += len(pairs) * self.bytes_per_page[name]
+        return to_host, to_device
+
+    def _validate(self, transfers: TierTransfers) -> None:
+        checks = [(name, list(pairs), list(pairs.values())) for name, pairs in transfers.to_host.items()]
+        checks += [(name, list(pairs.values()), list(pairs)) for name, pairs in transfers.to_device.items()]
+        for name, host_ids, dev_ids in checks:
+            if not host_ids:
+                continue
+            if name not in self.host:
+                raise ValueError(f"space {name!r} has no host pages (host spaces: {sorted(self.host)})")
+            n_host, n_dev = self.host_pages[name], self.num_pages[name]
+            for h in host_ids:
+                if not 0 <= h < n_host:
+                    raise ValueError(f"space {name!r}: host page {h} outside [0, {n_host})")
+            for d in dev_ids:
+                if not NULL_PAGE < d < n_dev:
+                    raise ValueError(
+                        f"space {name!r}: device page {d} outside [{NULL_PAGE + 1}, {n_dev})"
+                        " (page 0 is the device null page)"
+                    )
+
+    def _index(self, ids: list[int], device: torch.device) -> torch.Tensor:
+        idx = torch.tensor(ids, dtype=torch.long)
+        if device.type == "cpu":
+            return idx
+        return (idx.pin_memory() if self.pinned else idx).to(device, non_blocking=self.pinned)
+
+    def _paged(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """[..., pages, slots_per_page, last] view of a slot-on-dim--2 tensor (a split is a view)."""
+        spp = self.slots_per_page[name]
+        return t.unflatten(-2, (t.shape[-2] // spp, spp))
+
+    def _to_host(self, name: str, host_ids: list[int], dev_ids: list[int]) -> None:
+        """One gather per device tensor; the page rows are read back synchronously, since the
+        CPU-side scatter that follows needs them (and the device may reuse the pages next)."""
+        host_idx = torch.tensor(host_ids, dtype=torch.long)
+        k = len(host_ids)
+        tensors = self.device_caches[name]
+        dev_idx = self._index(dev_ids, tensors[0].device)  # once per space, not per tensor
+        if self.layout == "page_first":
+            rows = []
+            for t in tensors:
+                pd = t.dim() - 2
+                g = self._paged(t, name).index_select(pd, dev_idx.to(t.device))
+                rows.append(g.movedim(pd, 0).contiguous().view(torch.uint8).reshape(k, -1))
+            # One device->host transfer for the whole space, one scatter of contiguous rows.
+            data = (rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)).to("cpu")
+            self.host[name][0].index_copy_(0, host_idx, data)
+        else:
+            for t, h in zip(tensors, self.host[name]):
+                pd = t.dim() - 2
+                g = self._paged(t, name).index_select(pd, dev_idx.to(t.device))
+                self._paged(h, name).index_copy_(pd, host_idx, g.to("cpu"))
+
+    def _to_device(self, name: str, host_ids: list[int], dev_ids: list[int]) -> None:
+        """One gather on the host (into pinned staging when pinned, so the upload is async and
+        stream-ordered before the next forward), one scatter per device tensor."""
+        host_idx = torch.tensor(host_ids, dtype=torch.long)
+        k = len(host_ids)
+        tensors = self.device_caches[name]
+        dev_idx = self._index(dev_ids, tensors[0].device)  # once per space, not per tensor
+        if self.layout == "page_first":
+            # One host gather and one host->device transfer for the whole space.
+            data = self._host_gather(self.host[name][0], 0, host_idx, tensors[0].device)
+            off = 0
+            for t, nbytes in zip(tensors, self._tensor_bytes[name]):
+                pd = t.dim() - 2
+                paged = self._paged(t, name)
+                page_shape = paged.shape[:pd] + paged.shape[pd + 1 :]
+                chunk = data[:, off : off + nbytes].to(t.device)  # a no-op unless tensors span devices
+                src = chunk.contiguous().view(t.dtype).view(k, *page_shape).movedim(0, pd)
+                paged.index_copy_(pd, dev_idx.to(t.device), src)
+                off += nbytes
+        else:
+            for t, h in zip(tensors, self.host[name]):
+                pd = t.dim() - 2
+                src = self._host_gather(self._paged(h, name), pd, host_idx, t.device)
+                self._paged(t, name).index_copy_(pd, dev_idx.to(t.device), src)
+
+    def _host_gather(self, h: torch.Tensor, dim: int, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """index_select of host pages, moved to `device` (asynchronously from pinned staging)."""
+        if device.type == "cpu":
+            return h.index_select(dim, idx)
+        shape = list(h.shape)
+        shape[dim] = len(idx)
+        staging = torch.empty(shape, dtype=h.dtype, pin_memory=self.pinned)
+        torch.index_select(h, dim, idx, out=staging)
+        # The caching host allocator keeps pinned staging alive until the copy's stream is done.
+        return staging.to(device, non_blocking=self.pinned)
