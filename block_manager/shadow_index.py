@@ -422,7 +422,8 @@ class ShadowIndex:
                 self._update_tail_point(child)
                 self._update_tail_point(node)
                 if self.tier is not None:
-                    self._sync(node)  # it has a child now: no longer a host-eviction leaf
+                    if not node.is_root:
+                        self._sync(node)  # it has a child now: no longer a host-eviction leaf
                     if self.tier.write_policy == "write_through":
                         self.write_node(child)
                 new += 1
@@ -943,7 +944,3 @@ class ShadowIndex:
             assert set(self._dev_unlocked) == dev, "the demotion queue differs from the unlocked device nodes"
             assert set(self._host_leaves) == leaves, "the host-eviction queue differs from the host-only leaves"
             assert set(self._host_dups) == dups, "the host-copy queue differs from the nodes on both tiers"
-            for nd in self._nodes:
-                if nd.full_lock_ref:
-                    assert all(nd.shadows[s] is not None for s in self.whole), (
-                        "a locked node is not on the device (a load-back was not attached)")

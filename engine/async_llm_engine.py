@@ -96,6 +96,14 @@ class EngineSnapshot:
     # Admission (AsyncLLMEngine): the waiting-queue limit in sequences, and adds it refused.
     max_queued_requests: int | None = None
     num_rejected_queue_full: int = 0
+    # Host tier (HiCache L2), when enabled: space -> (host pages used, host pages), and counters.
+    host_pages: dict[str, tuple[int, int]] = field(default_factory=dict)
+    prefix_cache_hits_host: int = 0  # prompt tokens loaded back from the host
+    load_back_bytes: int = 0
+    write_back_bytes: int = 0
+    tier_transfer_seconds: float = 0.0
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
 
     @classmethod
     def capture(cls, engine: LLMEngine) -> "EngineSnapshot":
@@ -119,6 +127,13 @@ class EngineSnapshot:
             num_steps=engine.stats.get("steps", 0),
             page_size=page,
             num_lock_receipts=kv.index.num_live_receipts if kv.index is not None else 0,
+            host_pages=kv.host_tier.usage() if kv.host_tier is not None else {},
+            prefix_cache_hits_host=kv.prefix_hits_host,
+            load_back_bytes=engine.tier_stats["load_back_bytes"],
+            write_back_bytes=engine.tier_stats["write_back_bytes"],
+            tier_transfer_seconds=engine.tier_stats["transfer_seconds"],
+            num_swap_outs=kv.num_swap_outs,
+            num_swap_ins=engine.scheduler.num_swap_ins,
         )
 
 

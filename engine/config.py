@@ -28,6 +28,16 @@ class EngineConfig:
     eviction_policy: str = "lru"  # lru | lfu | slru | priority (block_manager/eviction_policy.py)
     # False: the baseline that drops a cached prefix once any windowed (SWA) page on it is gone.
     windowed_match: bool = True
+    # HiCache L2: a host-memory tier under every block space (SGLang's flag names).
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0  # host pages per space = ratio x device pages (unless hicache_size)
+    hicache_size: int | None = None  # host bytes over all spaces; overrides hicache_ratio
+    hicache_write_policy: str = "write_through"  # write_through | write_through_selective | write_back
+    hicache_mem_layout: str = "page_first"  # page_first | layer_first
+    load_back_threshold: int = 0  # tokens: a smaller host hit is recomputed instead of loaded
+    # What a request preempted for room loses: "recompute" (its pages stay in the device prefix
+    # cache until evicted) or "swap" (they are written to the host tier too; needs it).
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size < 1:
@@ -38,6 +48,19 @@ class EngineConfig:
             raise ValueError(f"target_step_seconds must be > 0 or None, got {self.target_step_seconds}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and not self.enable_hierarchical_cache:
+            raise ValueError("preemption_mode='swap' swaps pages out to the host tier: set enable_hierarchical_cache=True")
+        if self.enable_hierarchical_cache:
+            if not self.enable_prefix_caching:
+                raise ValueError("enable_hierarchical_cache needs enable_prefix_caching=True (the host tier holds prefix pages)")
+            if self.hicache_size is None and not self.hicache_ratio > 0:
+                raise ValueError(f"hicache_ratio must be > 0, got {self.hicache_ratio}")
+            if self.hicache_size is not None and self.hicache_size <= 0:
+                raise ValueError(f"hicache_size must be > 0 bytes, got {self.hicache_size}")
+        if self.load_back_threshold < 0:
+            raise ValueError(f"load_back_threshold must be >= 0 tokens, got {self.load_back_threshold}")
 
 
 DEFAULT_KV_CACHE_CAP_BYTES = 2 << 30

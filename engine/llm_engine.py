@@ -121,11 +121,15 @@ class LLMEngine:
         specs = self.runner.space_specs()
         self.block_size = self._choose_block_size(specs)
         budget = config.max_num_batched_tokens or max(2048, self.max_model_len)
+        device_pages = self._pages_per_space(specs, budget)
+        host_pages = self._host_pages_per_space(specs, device_pages) if config.enable_hierarchical_cache else None
         self.kv = KVCacheManager(
-            specs, self._pages_per_space(specs, budget), self.block_size, config.enable_prefix_caching,
+            specs, device_pages, self.block_size, config.enable_prefix_caching,
             config.eviction_policy, config.windowed_match,
             max_pages_per_request=-(-self.max_model_len // self.block_size) + 1,
             max_requests=min(config.max_num_seqs, 64),
+            host_pages=host_pages, hicache_write_policy=config.hicache_write_policy,
+            load_back_threshold=config.load_back_threshold,
         )
         short = self.kv.spaces_short_for(self.max_model_len, budget)
         if short:
@@ -135,9 +139,11 @@ class LLMEngine:
                 f"raise it or lower max_model_len (or max_num_batched_tokens)"
             )
         self.runner.bind_kv_cache(self.kv)
+        if host_pages is not None:
+            self.runner.bind_host_cache(host_pages, config.hicache_mem_layout)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, budget, self.max_model_len, config.scheduling_policy,
-                            config.target_step_seconds),
+                            config.target_step_seconds, preemption_mode=config.preemption_mode),
             self.kv, self.runner.step_cost,
         )
         self._groups: dict[str, _Group] = {}
@@ -145,11 +151,19 @@ class LLMEngine:
         self._counter = itertools.count()  # request ids for callers that give none
         self._sequence_counter = itertools.count()  # internal sequence ids (_new_sequence_id)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        # Host tier copies the runner executed: bytes each way and seconds spent.
+        self.tier_stats = {"load_back_bytes": 0, "write_back_bytes": 0, "transfer_seconds": 0.0}
         logger.info(
             "engine ready: model=%s dtype=%s max_model_len=%d block_size=%d spaces=%s prefix_caching=%s",
             model_dir, self.runner.dtype, self.max_model_len, self.block_size,
             {n: s.num_pages for n, s in self.kv.spaces.items()}, self.kv.enable_prefix_caching,
         )
+        if host_pages is not None:
+            logger.info(
+                "host tier (HiCache L2): pages per space %s, %.1f MiB, layout=%s, write policy=%s, preemption=%s",
+                host_pages, self.runner.host_cache.nbytes / 2**20, config.hicache_mem_layout,
+                config.hicache_write_policy, config.preemption_mode,
+            )
 
     def _choose_block_size(self, specs) -> int:
         """The page size: the user's explicit block_size, or the model's default when it is None.
@@ -176,6 +190,34 @@ class LLMEngine:
                 f"this model's default is {default}) or leave block_size unset for the default"
             )
         return P
+
+    def _host_pages_per_space(self, specs, device_pages: dict[str, int]) -> dict[str, int]:
+        """Host pages: the same count in every space (a node keeps at most one page per space, so
+        windowed spaces need as many host pages as whole-history ones for every cached node to
+        keep its window), hicache_ratio x the whole-history device pages, or what hicache_size
+        bytes hold."""
+        P = self.block_size
+        if self.config.hicache_size is not None:
+            n = self.config.hicache_size // sum(s.bytes_per_page(P) for s in specs)
+            if n < 1:
+                raise ValueError(f"hicache_size={self.config.hicache_size} bytes holds no page "
+                                 f"(one page of every space takes {sum(s.bytes_per_page(P) for s in specs)} bytes)")
+            return {s.name: n for s in specs}
+        whole = [device_pages[s.name] for s in specs if not s.windowed] or list(device_pages.values())
+        n = max(1, int(self.config.hicache_ratio * max(whole)))
+        return {s.name: n for s in specs}
+
+    def _flush_tier_transfers(self) -> None:
+        """Execute the device <-> host copies the KV manager decided (before any forward reads
+        the pages; the order is tier_transfers.py's)."""
+        transfers = self.kv.take_transfers()
+        if transfers.empty:
+            return
+        t0 = time.perf_counter()
+        to_host, to_device = self.runner.host_cache.apply(transfers)
+        self.tier_stats["write_back_bytes"] += to_host
+        self.tier_stats["load_back_bytes"] += to_device
+        self.tier_stats["transfer_seconds"] += time.perf_counter() - t0
 
     def _pages_per_space(self, specs, max_chunk_tokens: int) -> dict[str, int]:
         """Split the KV memory between spaces by bytes per token of context.
@@ -330,6 +372,7 @@ class LLMEngine:
             if not req.finished:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             self._request_to_group.pop(req.request_id, None)
+        self._flush_tier_transfers()  # its pages' host copies, decided as it left
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -341,10 +384,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        self._flush_tier_transfers()  # load-backs (and write-backs of evicted pages) before the forward
         if sched.empty:
             return []
         result = self.runner.execute(sched.model_input())
         self.scheduler.update_after_step(sched)
+        self._flush_tier_transfers()  # write-through of the pages this step completed
         self.stats["steps"] += 1
         touched = self._process(sched, result)
         outputs = [o for o in (self._make_output(g) for g in touched) if o is not None]
@@ -476,6 +521,10 @@ class LLMEngine:
             "last_token_time": lead.last_token_time,
             "num_preemptions": sum(r.num_preemptions for r in group.children),
             "num_cached_tokens": max(0, lead.num_cached_tokens),
+            # Where the prompt came from: device cache, host tier (loaded back), or computed.
+            "prompt_tokens_from_device": max(0, lead.num_cached_tokens) - lead.num_host_cached_tokens,
+            "prompt_tokens_from_host": lead.num_host_cached_tokens,
+            "prompt_tokens_computed": len(lead.prompt_token_ids) - max(0, lead.num_cached_tokens),
             "cached_tokens_per_space": dict(lead.cached_tokens_per_space),
         }
 

@@ -45,6 +45,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache (set on first schedule)
+    num_host_cached_tokens: int = 0  # of num_cached_tokens, those loaded back from the host tier
+    num_computed_tokens_at_preemption: int = 0  # at the last preemption (swap accounting)
     cached_tokens_per_space: dict[str, int] = field(default_factory=dict)  # block space -> prompt tokens it served from cache
     num_preemptions: int = 0
     cumulative_logprob: float = 0.0

@@ -40,6 +40,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     target_step_seconds: float | None = None  # None: the token budget alone sizes prefill chunks
     min_prefill_chunk: int = 4  # tokens; the prefill progress every step makes at least
+    preemption_mode: str = "recompute"  # "swap": a preempted request's pages go to the host tier
 
     def __post_init__(self) -> None:
         if self.target_step_seconds is not None and not self.target_step_seconds > 0:
@@ -99,6 +100,11 @@ class Scheduler:
         self.kv = kv
         self.step_cost = step_cost
         self.timer = StepTimer(config.target_step_seconds) if config.target_step_seconds is not None else None
+        # Preemption accounting: resumes that loaded pages back from the host (swap-ins), tokens
+        # they loaded, and whole-page tokens a resume had to recompute (the cache had lost them).
+        self.num_swap_ins = 0
+        self.num_resumed_host_tokens = 0
+        self.num_recomputed_after_preemption = 0
         # Per step, while watched requests decode: seconds left for prefill chunks (None = no limit).
         self._seconds_left: float | None = None
         self._floor_used = False  # this step's guaranteed min_prefill_chunk went to someone
@@ -184,8 +190,15 @@ class Scheduler:
         self.waiting.remove(req)
         if req.num_cached_tokens < 0:  # first admission, not a resume after preemption
             req.num_cached_tokens = req.num_computed_tokens
+            req.num_host_cached_tokens = hit.host_tokens if hit is not None else 0
             req.cached_tokens_per_space = dict(hit.per_space_tokens) if hit is not None else {}
             self.kv.record_query(req.num_prompt_tokens, hit)
+        elif req.num_preemptions:  # a resume: what came back, and what the cache no longer held
+            self.num_resumed_host_tokens += hit.host_tokens if hit is not None else 0
+            if hit is not None and hit.host_tokens:
+                self.num_swap_ins += 1
+            lost = req.num_computed_tokens_at_preemption // self.kv.page_size * self.kv.page_size
+            self.num_recomputed_after_preemption += max(0, lost - req.num_computed_tokens)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
         req.status = RequestStatus.RUNNING
@@ -242,7 +255,9 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         # Computed whole pages go to the prefix cache first, so the resume is mostly a hit.
-        self.kv.retire(req.request_id, req.all_token_ids, req.num_computed_tokens, turn_done=False)
+        self.kv.retire(req.request_id, req.all_token_ids, req.num_computed_tokens, turn_done=False,
+                       swap=self.config.preemption_mode == "swap")
+        req.num_computed_tokens_at_preemption = req.num_computed_tokens
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED

@@ -44,6 +44,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(--no-windowed-match: the baseline that drops such a prefix)")
     p.add_argument("--attention-backend", default=DEFAULT_ATTENTION_BACKEND,
                    help=f"attention backend by registry name (default: {DEFAULT_ATTENTION_BACKEND})")
+    h = p.add_argument_group("hierarchical cache (HiCache L2: host memory under the device KV cache)")
+    h.add_argument("--enable-hierarchical-cache", action="store_true",
+                   help="keep pages the device evicts in host memory and load them back on a prefix hit")
+    h.add_argument("--hicache-ratio", type=float, default=2.0,
+                   help="host pages per space as a multiple of the device's (default: 2.0)")
+    h.add_argument("--hicache-size", type=int, default=None,
+                   help="host tier size in bytes over all spaces (overrides --hicache-ratio)")
+    h.add_argument("--hicache-write-policy", default="write_through",
+                   choices=["write_through", "write_through_selective", "write_back"],
+                   help="when pages are copied to the host (default: write_through)")
+    h.add_argument("--hicache-mem-layout", default="page_first", choices=["page_first", "layer_first"],
+                   help="host buffer layout (default: page_first, one page of every layer contiguous)")
+    h.add_argument("--load-back-threshold", type=int, default=0,
+                   help="host hits shorter than this many tokens are recomputed instead of loaded (default: 0)")
+    h.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="swap: a preempted request's pages go to the host tier (needs --enable-hierarchical-cache)")
 
 
 def _engine_accepts(name: str) -> bool:
@@ -82,6 +98,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         scheduling_policy=args.scheduling_policy,
         eviction_policy=args.eviction_policy,
         windowed_match=args.windowed_match,
+        enable_hierarchical_cache=args.enable_hierarchical_cache,
+        hicache_ratio=args.hicache_ratio,
+        hicache_size=args.hicache_size,
+        hicache_write_policy=args.hicache_write_policy,
+        hicache_mem_layout=args.hicache_mem_layout,
+        load_back_threshold=args.load_back_threshold,
+        preemption_mode=args.preemption_mode,
     )
     if _engine_accepts("attention_backend"):
         kwargs["attention_backend"] = args.attention_backend

@@ -18,6 +18,11 @@ class LLM:
     >>> llm = LLM()                                    # SmolLM2-135M-Instruct, converted once
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
 
+    enable_hierarchical_cache: a host-memory tier (HiCache L2) under every block space: pages the
+    device evicts are kept on the host and loaded back on a hit; hicache_ratio / hicache_size
+    size it, hicache_write_policy says when pages are copied there, hicache_mem_layout how
+    they are laid out. preemption_mode="swap" writes a preempted request's pages to that tier.
+
     block_size: tokens per KV page; None (the default) takes the model's default page size (16
     for dense models, 128 for DeepSeek-V4). An explicit size the model cannot use (not a multiple
     of its compression ratios) raises ValueError naming the sizes it can use.
@@ -42,6 +47,13 @@ class LLM:
         eviction_policy: str = "lru",
         windowed_match: bool = True,
         attention_backend: str = "torch_native",
+        enable_hierarchical_cache: bool = False,
+        hicache_ratio: float = 2.0,
+        hicache_size: int | None = None,
+        hicache_write_policy: str = "write_through",
+        hicache_mem_layout: str = "page_first",
+        load_back_threshold: int = 0,
+        preemption_mode: str = "recompute",
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -61,6 +73,13 @@ class LLM:
                 eviction_policy=eviction_policy,
                 windowed_match=windowed_match,
                 attention_backend=attention_backend,
+                enable_hierarchical_cache=enable_hierarchical_cache,
+                hicache_ratio=hicache_ratio,
+                hicache_size=hicache_size,
+                hicache_write_policy=hicache_write_policy,
+                hicache_mem_layout=hicache_mem_layout,
+                load_back_threshold=load_back_threshold,
+                preemption_mode=preemption_mode,
             )
         )
 

@@ -18,6 +18,7 @@ import torch
 from hybridkv.attention_backends.metadata import StepSequences
 from hybridkv.attention_backends.registry import get_attention_backend
 from hybridkv.block_manager.kv_cache_manager import KVCacheManager
+from hybridkv.model_executor.host_kv_cache import HostKVCache
 from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
 from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
 from hybridkv.model_executor.checkpoint import iter_weights, load_config, resolve_dtype
@@ -84,6 +85,7 @@ class ModelRunner:
         logger.info("loaded %s (%s, %s) in %.1fs", model_dir, self.dtype, self.device, time.perf_counter() - t0)
         self.sampler = Sampler(torch.Generator().manual_seed(seed))
         self.kv: KVCacheManager | None = None
+        self.host_cache: HostKVCache | None = None
         self.windows: dict[str, int | None] = {}
         self.kv_caches: dict[str, list[torch.Tensor]] = {}  # space -> all its physical tensors (slots on dim -2)
         # Assert every step that no new token is written into a space's null page (tests set
@@ -107,6 +109,14 @@ class ModelRunner:
         self.kv = kv
         self.windows = {name: spec.window for name, spec in kv.specs.items()}
         self.kv_caches = self.model.allocate_kv_cache(kv, self.backend, self.dtype, self.device)
+
+    def bind_host_cache(self, host_pages: dict[str, int], layout: str) -> None:
+        """The host tier's page buffers for every space (HiCache L2); pinned on CUDA."""
+        P = self.kv.page_size
+        self.host_cache = HostKVCache(
+            self.kv_caches, {n: s.spec.slots_per_page(P) for n, s in self.kv.spaces.items()}, host_pages,
+            layout=layout, pin_memory=self.device.type == "cuda",
+        )
 
     # -- one step ------------------------------------------------------------------------------
     def step_sequences(self, items: list[ScheduledSequence]) -> StepSequences:

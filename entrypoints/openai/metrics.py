@@ -86,6 +86,21 @@ class _EngineCollector(Collector):
                         s.max_queued_requests)
         yield counter("requests_rejected_queue_full", "Requests refused with 503 because the queue was full.",
                       s.num_rejected_queue_full)
+        if s.host_pages:  # the host tier (HiCache L2) is on
+            host = GaugeMetricFamily(PREFIX + "host_cache_pages", "Host-tier pages of a KV space by state.",
+                                     labels=["model_name", "space", "state"])
+            for name, (used, total) in s.host_pages.items():
+                host.add_metric([self._model, name, "used"], used)
+                host.add_metric([self._model, name, "free"], total - used)
+            yield host
+            yield counter("prefix_cache_hits_host", "Prompt tokens served by a load-back from the host tier.",
+                          s.prefix_cache_hits_host)
+            yield counter("host_load_back_bytes", "Bytes copied from the host tier to the device.", s.load_back_bytes)
+            yield counter("host_write_back_bytes", "Bytes copied from the device to the host tier.", s.write_back_bytes)
+            yield counter("host_transfer_seconds", "Seconds spent copying between the device and host tiers.",
+                          s.tier_transfer_seconds)
+            yield counter("swap_outs", "Preempted requests whose pages were written to the host tier.", s.num_swap_outs)
+            yield counter("swap_ins", "Resumed requests that loaded pages back from the host tier.", s.num_swap_ins)
 
 
 class ServerMetrics:

@@ -82,3 +82,34 @@ def test_admission_limits_and_rejections_are_exported(srv):
     after = scrape(srv)
     assert value(after, "hybridkv:requests_rejected_total", reason="too_many_sequences") - value(
         before, "hybridkv:requests_rejected_total", reason="too_many_sequences") == 1
+
+
+def test_host_tier_metrics_move_with_a_load_back(tiny_ckpt):
+    """With --enable-hierarchical-cache: host pool usage per space, host hit tokens, load-back and
+    write-back bytes and copy seconds are exported, and move when a prefix comes back from the host."""
+    from server_harness import launch
+
+    other = launch(tiny_ckpt("llama"), api_key=None, enable_hierarchical_cache=True)
+    try:
+        c = other.client()
+        c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0)
+        mid = scrape(other)
+        assert value(mid, "hybridkv:host_cache_pages", space="full", state="used") > 0  # write-through
+        assert value(mid, "hybridkv:host_write_back_bytes_total") > 0
+
+        def evict(engine):
+            for name, space in engine.kv.spaces.items():
+                engine.kv.index.evict(name, space.num_pages)
+            engine._flush_tier_transfers()
+
+        other.engine.call_threadsafe(evict).result(30)
+        c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0)
+        after = scrape(other)
+        assert value(after, "hybridkv:prefix_cache_hits_host_total") > 0
+        assert value(after, "hybridkv:host_load_back_bytes_total") > 0
+        assert value(after, "hybridkv:host_transfer_seconds_total") > 0
+        assert value(after, "hybridkv:swap_outs_total") == 0
+        c.close()
+        other.engine.check_idle()
+    finally:
+        other.stop()

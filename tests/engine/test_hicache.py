@@ -1,0 +1,242 @@
+"""HiCache part 1, end to end: a host tier (L2) under every block space.
+
+Invariants checked:
+- a prefix served from the host tier (every device copy evicted first, windowed pages too)
+  gives the no-cache run's greedy tokens and logprobs, at every page boundary, on Llama,
+  Gemma-3 and both V4 test configs, for each write policy and both host layouts;
+- the per-request cache report says how many prompt tokens came from device, host, or were
+  computed, and the host tokens are exactly the boundary's;
+- swap preemption under a tiny device budget gives the unconstrained run's outputs, and the
+  resumed requests recompute no whole page the host still held;
+- every test ends with all device pages free or cached, no lock, no copy left unexecuted, and
+  the host pools' ledgers equal to the index's host shadows (conftest's idle check).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.entrypoints import LLM, SamplingParams
+from prefix_hit_helpers import LOGPROB_ATOL, run_one, sampled_logprobs
+from tiny_deepseek_v4 import build_v4_checkpoint, single_thread
+
+POLICIES = ["write_through", "write_through_selective", "write_back"]
+
+
+def _prompt(n: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def evict_device(llm: LLM) -> None:
+    """Evict every unlocked page of every space from the device (demoting what the policy sends
+    to the host), then run the copies that decided, as the engine does each step."""
+    kv = llm.engine.kv
+    for name, space in kv.spaces.items():
+        kv.index.evict(name, space.num_pages)
+    llm.engine._flush_tier_transfers()
+    kv.check_invariants()
+
+
+def assert_host_hit_at_every_boundary(llm: LLM, reference_out, prompt: list[int], max_tokens: int,
+                                      seed_runs: int = 1) -> list[int]:
+    """For each page boundary b: seed the cache with prompt[:b] + another token (seed_runs times:
+    the selective policy writes a node once it is hit twice), evict the device copies, then run
+    the prompt: its whole b-token hit is loaded back from the host, and the output equals the
+    no-cache run's."""
+    P = llm.engine.kv.page_size
+    want_tokens = reference_out.outputs[0].token_ids
+    want_lps = torch.tensor(sampled_logprobs(reference_out))
+    hit = []
+    for b in range(P, len(prompt), P):
+        llm.engine.reset_prefix_cache()
+        seed = prompt[:b] + [(prompt[b] + 1) % 50 + 3]
+        for _ in range(seed_runs):
+            run_one(llm, seed, 1)
+        evict_device(llm)
+        index = llm.engine.kv.index
+        assert all(nd.shadows[s] is None for nd in index.nodes() for s in index.whole), "a device page survived"
+        out = run_one(llm, prompt, max_tokens)
+        assert out.num_cached_tokens == b, f"boundary {b}: hit {out.num_cached_tokens}"
+        assert out.metrics["prompt_tokens_from_host"] == b, f"boundary {b}: {out.metrics}"
+        assert out.metrics["prompt_tokens_from_device"] == 0
+        assert out.metrics["prompt_tokens_computed"] == len(prompt) - b
+        assert out.outputs[0].token_ids == want_tokens, f"boundary {b}: tokens differ after a host load-back"
+        torch.testing.assert_close(torch.tensor(sampled_logprobs(out)), want_lps, atol=LOGPROB_ATOL, rtol=0)
+        llm.engine.kv.check_invariants()
+        hit.append(b)
+    return hit
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_llama_host_hit_at_every_boundary_equals_no_cache(tiny_ckpt, policy):
+    path = tiny_ckpt("llama")
+    ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    prompt = _prompt(70, ref.engine.runner.config.vocab_size, seed=11)
+    want = run_one(ref, prompt, 12)
+    llm = LLM(path, dtype="float32", max_model_len=256, enable_hierarchical_cache=True, hicache_write_policy=policy)
+    seed_runs = 3 if policy == "write_through_selective" else 1
+    assert assert_host_hit_at_every_boundary(llm, want, prompt, 12, seed_runs) == list(range(16, 70, 16))
+    stats = llm.engine.kv.host_tier.stats
+    assert sum(stats.loaded_pages.values()) > 0 and sum(stats.written_pages.values()) > 0
+    assert llm.engine.tier_stats["load_back_bytes"] > 0
+
+
+def test_layer_first_layout_equals_no_cache(tiny_ckpt):
+    path = tiny_ckpt("llama")
+    ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    prompt = _prompt(40, ref.engine.runner.config.vocab_size, seed=12)
+    want = run_one(ref, prompt, 8)
+    llm = LLM(path, dtype="float32", max_model_len=256, enable_hierarchical_cache=True,
+              hicache_mem_layout="layer_first")
+    assert assert_host_hit_at_every_boundary(llm, want, prompt, 8) == [16, 32]
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_gemma3_host_hit_with_swa_only_on_the_host(tiny_ckpt, policy):
+    """Gemma-3 (full + SWA): the SWA window of every boundary exists only on the host; the hit
+    loads it back, bit-exact, no window replay."""
+    path = tiny_ckpt("gemma3_text")
+    ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    prompt = _prompt(90, ref.engine.runner.config.vocab_size, seed=7)
+    want = run_one(ref, prompt, 12)
+    llm = LLM(path, dtype="float32", max_model_len=256, enable_hierarchical_cache=True, hicache_write_policy=policy)
+    assert set(llm.engine.kv.index.windows) == {"swa"}
+    assert assert_host_hit_at_every_boundary(llm, want, prompt, 12) == list(range(16, 90, 16))
+    assert llm.engine.kv.host_tier.stats.loaded_pages["swa"] > 0
+
+
+V4_CONFIGS = {
+    "w16_p32": (dict(), 32, 100),
+    "w40_p32": (dict(sliding_window=40, index_topk=5), 32, 110),
+}
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+@pytest.mark.parametrize("name", list(V4_CONFIGS))
+def test_v4_host_hit_at_every_boundary_equals_no_cache(tmp_path_factory, name, policy):
+    """DeepSeek-V4: all five spaces (swa, c4, c128, indexer, state) come back from the host;
+    the SWA window and the compression state are offloaded too, so the hit is exact."""
+    overrides, P, n = V4_CONFIGS[name]
+    with single_thread():
+        path = build_v4_checkpoint(str(tmp_path_factory.mktemp(f"v4hc_{name}")), **overrides)
+        kw = dict(dtype="float32", block_size=P, max_model_len=256, max_num_seqs=2)
+        ref = LLM(path, enable_prefix_caching=False, **kw)
+        prompt = _prompt(n, ref.engine.runner.config.vocab_size, seed=5)
+        want = run_one(ref, prompt, 16)
+        llm = LLM(path, enable_hierarchical_cache=True, hicache_write_policy=policy, **kw)
+        assert assert_host_hit_at_every_boundary(llm, want, prompt, 16) == list(range(P, n, P))
+        loaded = llm.engine.kv.host_tier.stats.loaded_pages
+        assert all(loaded[s] > 0 for s in ("swa", "c4", "c128", "indexer", "state")), loaded
+
+
+def test_load_back_threshold_recomputes_short_host_hits(tiny_ckpt):
+    """A host hit shorter than load_back_threshold is not loaded: the prompt is recomputed
+    (output unchanged); a longer one is loaded."""
+    path = tiny_ckpt("llama")
+    ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    prompt = _prompt(70, ref.engine.runner.config.vocab_size, seed=13)
+    want = run_one(ref, prompt, 6)
+    llm = LLM(path, dtype="float32", max_model_len=256, enable_hierarchical_cache=True, load_back_threshold=40)
+    for b, loaded in ((32, False), (48, True)):
+        llm.engine.reset_prefix_cache()
+        run_one(llm, prompt[:b] + [3], 1)
+        evict_device(llm)
+        out = run_one(llm, prompt, 6)
+        assert out.metrics["prompt_tokens_from_host"] == (b if loaded else 0), (b, out.metrics)
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_swap_preemption_equals_unconstrained_and_recomputes_nothing_the_host_held(tiny_ckpt):
+    """Eight 100-token prompts decoding 30 tokens each in a device pool that holds about two of
+    them: requests are preempted and swapped out; outputs equal the unconstrained run, and each
+    resume loads its whole pages back instead of recomputing them."""
+    path = tiny_ckpt("llama")
+    vocab = 300
+    prompts = [_prompt(100, vocab, seed=20 + i) for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    big = LLM(path, dtype="float32", max_model_len=256)
+    want = [o.outputs[0].token_ids for o in big.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    page_bytes = big.engine.kv.specs["full"].bytes_per_page(16)
+    llm = LLM(path, dtype="float32", max_model_len=160, kv_cache_memory_bytes=16 * page_bytes,
+              enable_hierarchical_cache=True, hicache_ratio=8.0, preemption_mode="swap")
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    sched = llm.engine.scheduler
+    assert sched.num_preemptions > 0, "the device budget should force preemptions"
+    assert got == want, "swap preemption changed the outputs"
+    assert llm.engine.kv.num_swap_outs == sched.num_preemptions
+    assert sched.num_swap_ins > 0 and sched.num_resumed_host_tokens > 0
+    assert sched.num_recomputed_after_preemption == 0, "a resume recomputed pages the host still held"
+
+
+def test_swapped_out_request_whose_host_copy_was_evicted_resumes_by_recompute(tiny_ckpt):
+    """The host tier is too small to keep what was swapped out: the resume recomputes the lost
+    pages, and the outputs are still those of the unconstrained run."""
+    path = tiny_ckpt("llama")
+    prompts = [_prompt(100, 300, seed=30 + i) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    big = LLM(path, dtype="float32", max_model_len=256)
+    want = [o.outputs[0].token_ids for o in big.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    page_bytes = big.engine.kv.specs["full"].bytes_per_page(16)
+    llm = LLM(path, dtype="float32", max_model_len=160, kv_cache_memory_bytes=16 * page_bytes,
+              enable_hierarchical_cache=True, hicache_size=4 * page_bytes, preemption_mode="swap")
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert got == want
+    assert llm.engine.scheduler.num_recomputed_after_preemption > 0, "a 4-page host tier cannot keep them all"
+
+
+def test_abort_after_a_load_back_was_decided_leaves_nothing(tiny_ckpt):
+    """A request admitted with a host hit is aborted before its step ran: the copy still runs
+    (its pages stay cached, valid), nothing is locked or pending, and the next request that
+    hits the same prefix gets the right output."""
+    path = tiny_ckpt("llama")
+    ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    prompt = _prompt(60, ref.engine.runner.config.vocab_size, seed=14)
+    want = run_one(ref, prompt, 6)
+    llm = LLM(path, dtype="float32", max_model_len=256, enable_hierarchical_cache=True)
+    run_one(llm, prompt[:49], 1)
+    evict_device(llm)
+    eng = llm.engine
+    eng.add_request("victim", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=4))
+    sched = eng.scheduler.schedule()  # admits it: the load-back is decided, not yet executed
+    assert sched.scheduled and eng.kv.host_tier.transfers.to_device, "the hit should need a load-back"
+    eng.abort_request("victim")
+    assert eng.kv.host_tier.transfers.empty, "the abort left copies unexecuted"
+    eng.kv.assert_idle()
+    out = run_one(llm, prompt, 6)
+    assert out.num_cached_tokens == 48 and out.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_host_pool_full_during_write_through_keeps_serving(tiny_ckpt):
+    """A host tier of 3 pages under write_through: writes that find no room are counted and
+    skipped, host eviction keeps the ledgers exact, and outputs equal the no-cache run."""
+    path = tiny_ckpt("llama")
+    ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    vocab = ref.engine.runner.config.vocab_size
+    prompts = [_prompt(70, vocab, seed=50 + i) for i in range(4)]
+    want = [run_one(ref, p, 4).outputs[0].token_ids for p in prompts]
+    page_bytes = ref.engine.kv.specs["full"].bytes_per_page(16)
+    llm = LLM(path, dtype="float32", max_model_len=256, enable_hierarchical_cache=True, hicache_size=3 * page_bytes)
+    for _ in range(2):
+        for p, w in zip(prompts, want):
+            assert run_one(llm, p, 4).outputs[0].token_ids == w
+            llm.engine.kv.check_invariants()
+        evict_device(llm)
+    stats = llm.engine.kv.host_tier.stats
+    assert stats.host_evicted_nodes + stats.host_copies_dropped + stats.write_failures > 0
+    assert llm.engine.kv.host_tier.pools["full"].num_used <= 3
+
+
+def test_config_errors_name_the_problem(tiny_ckpt):
+    path = tiny_ckpt("llama")
+    with pytest.raises(ValueError, match="enable_hierarchical_cache=True"):
+        LLM(path, preemption_mode="swap")
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        LLM(path, enable_hierarchical_cache=True, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="hicache_write_policy"):
+        LLM(path, enable_hierarchical_cache=True, hicache_write_policy="sometimes")
+    with pytest.raises(ValueError, match="page_first"):
+        LLM(path, enable_hierarchical_cache=True, hicache_mem_layout="diagonal")
+    with pytest.raises(ValueError, match="preemption_mode"):
+        LLM(path, preemption_mode="pause")
