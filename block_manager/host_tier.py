@@ -41,11 +41,32 @@ class HostTier:
         self.stats = HostTierStats(
             written_pages={s: 0 for s in pools}, loaded_pages={s: 0 for s in pools},
         )
+        # Host pages held outside the index (swapped-out partial pages), and pages to free once
+        # the copies reading them were handed over (a load-back's source must not be reused first).
+        self.held: dict[str, set[int]] = {s: set() for s in pools}
+        self._free_after_take: list[tuple[str, int]] = []
+
+    def hold(self, space: str, page: int) -> None:
+        self.held[space].add(page)
+
+    def release(self, space: str, page: int, after_copies: bool = False) -> None:
+        """Give back a held page: now (its pending write is moot), or once the pending copies
+        are taken (it is the source of a load-back decided this step)."""
+        if after_copies:
+            self._free_after_take.append((space, page))
+            return
+        self.held[space].discard(page)
+        self.transfers.cancel_write(space, page)
+        self.pools[space].free(page)
 
     def take_transfers(self) -> TierTransfers:
         """The copies decided since the last call; the caller must execute them before the next
-        forward (tier_transfers.py states the order)."""
+        forward (tier_transfers.py states the order), before deciding anything new."""
         out, self.transfers = self.transfers, TierTransfers()
+        for space, page in self._free_after_take:
+            self.held[space].discard(page)
+            self.pools[space].free(page)
+        self._free_after_take = []
         return out
 
     def usage(self) -> dict[str, tuple[int, int]]:

@@ -52,6 +52,17 @@ class PrefixHit:
     host_tokens: int = 0
     storage_tokens: int = 0
     loads: dict[str, list[int]] = field(default_factory=dict)  # space -> node indices to load back
+    tail: SwappedTail | None = None  # a swapped-out partial page that continues the hit
+
+
+@dataclass
+class SwappedTail:
+    """A swapped-out request's partial last page: on the host, outside the index (a partial page
+    is no prefix node). It continues the request's first num_pages whole pages."""
+
+    num_pages: int
+    num_tokens: int  # tokens in the partial page
+    host_pages: dict[str, int]  # space -> host page (spaces whose table had that page)
 
 
 @dataclass
@@ -111,6 +122,7 @@ class KVCacheManager:
             else None
         )
         self.num_swap_outs = 0  # preempted requests whose pages were written to the host
+        self._swapped: dict[str, SwappedTail] = {}  # request id -> its partial page on the host
         self.prefix_hits_host = 0  # prompt tokens served by a load-back from the host
         self._requests: dict[str, RequestPages] = {}
         # Counters for metrics (tokens).
@@ -119,10 +131,14 @@ class KVCacheManager:
         self.prefix_hits_per_space = {name: 0 for name in self.spaces}
 
     # -- prefix cache --------------------------------------------------------------------------
-    def match_prefix(self, token_ids: Sequence[int], namespace: Hashable = None, touch: bool = True) -> PrefixHit:
+    def match_prefix(
+        self, token_ids: Sequence[int], namespace: Hashable = None, touch: bool = True, request_id: str | None = None
+    ) -> PrefixHit:
         """Longest cached SWA-valid page-aligned prefix, never covering the last token (its logits
         are needed). touch=False leaves hit counts and recency alone (the scheduler matches that
-        way and lets `allocate(touch_hit=True)` count the hit once, when it is admitted)."""
+        way and lets `allocate(touch_hit=True)` count the hit once, when it is admitted).
+        request_id: a swapped-out request resuming; its partial last page extends the hit when
+        the hit reaches exactly the whole pages it continues."""
         if self.index is None:
             return PrefixHit([], 0, {name: 0 for name in self.spaces})
         max_pages = (len(token_ids) - 1) // self.page_size
@@ -134,7 +150,13 @@ class KVCacheManager:
         for name, spec in self.specs.items():
             first = self.index.first_window_page(name, n) if spec.windowed else 0
             per_space[name] = (n - first) * self.page_size
-        return PrefixHit(m.nodes, m.num_tokens, per_space, m.device_tokens, m.host_tokens, m.storage_tokens, m.loads)
+        hit = PrefixHit(m.nodes, m.num_tokens, per_space, m.device_tokens, m.host_tokens, m.storage_tokens, m.loads)
+        tail = self._swapped.get(request_id) if request_id is not None else None
+        if tail is not None and tail.num_pages == n and n > 0:
+            hit.tail = tail
+            hit.num_tokens += tail.num_tokens
+            hit.host_tokens += tail.num_tokens
+        return hit
 
     def record_query(self, num_prompt_tokens: int, hit: PrefixHit | None) -> None:
         self.prefix_queries += num_prompt_tokens
@@ -223,8 +245,12 @@ class KVCacheManager:
             name: self.specs[name].pages_for(num_tokens, self.page_size) - current[name] for name in self.spaces
         }
         loads = hit.loads if hit_pages is not None else {}
+        tail = hit.tail if hit_pages is not None else None
+        if tail is not None:  # its page per space is loaded like a hit's, not allocated as new
+            needs = {n: k - (n in tail.host_pages) for n, k in needs.items()}
         protected = self._newly_protected(hit, hit_pages) if hit_pages is not None else None
-        if not self.can_allocate({n: needs[n] + len(loads.get(n, ())) for n in needs}, protected):
+        extra = {n: len(loads.get(n, ())) + (tail is not None and n in tail.host_pages) for n in needs}
+        if not self.can_allocate({n: needs[n] + extra[n] for n in needs}, protected):
             return False
         if req is None:
             req = RequestPages(
@@ -232,6 +258,10 @@ class KVCacheManager:
                 namespace=namespace, priority=priority,
             )
             self._requests[request_id] = req
+            stale = self._swapped.pop(request_id, None)
+            if stale is not None and stale is not tail:  # its partial page no longer continues a hit
+                for name, h in stale.host_pages.items():
+                    self.host_tier.release(name, h)
             if hit_pages is not None:
                 # Lock first: the hit's nodes (host-only ones too) are then safe from the
                 # eviction below, on both tiers.
@@ -248,7 +278,7 @@ class KVCacheManager:
                 if touch_hit:
                     self.index.touch(hit.nodes)
         for name, n in needs.items():
-            short = n + len(loads.get(name, ())) - self.spaces[name].num_free
+            short = n + extra[name] - self.spaces[name].num_free
             if short > 0:
                 self.index.evict(name, short)
         if hit_pages is not None:
@@ -259,6 +289,12 @@ class KVCacheManager:
                     for i, page in zip(idx, fresh):
                         pages[i] = page
                         self.index.attach_loaded(hit.nodes[i], name, page)
+                if tail is not None and name in tail.host_pages:  # the swapped-out partial page
+                    page = self.spaces[name].allocate(1)[0]
+                    pages.append(page)
+                    self.host_tier.transfers.load(name, tail.host_pages[name], page)
+                    self.host_tier.stats.loaded_pages[name] += 1
+                    self.host_tier.release(name, tail.host_pages[name], after_copies=True)
                 self._extend(req, name, pages)
         for name, n in needs.items():
             if n > 0:
@@ -336,11 +372,35 @@ class KVCacheManager:
             self.cache_computed_pages(request_id, token_ids, num_computed_tokens)
             if turn_done:
                 self.mark_boundary(request_id)
-            if swap and self.host_tier is not None and req.anchor is not None:
-                for node in req.anchor.path():
-                    self.index.write_node(node)
+            if swap and self.host_tier is not None:
+                if req.anchor is not None:
+                    for node in req.anchor.path():
+                        self.index.write_node(node)
+                self._swap_out_tail(request_id, req, num_computed_tokens)
                 self.num_swap_outs += 1
         self.free(request_id)
+
+    def _swap_out_tail(self, request_id: str, req: RequestPages, num_computed_tokens: int) -> None:
+        """Write the partial last page (tokens past the last whole page) to the host, held for
+        this request's resume; nothing when the host has no room (those tokens are recomputed)."""
+        full, partial = divmod(num_computed_tokens, self.page_size)
+        if not partial or req.num_inserted_pages != full:
+            return
+        taken: dict[str, int] = {}
+        for name, table in req.tables.items():
+            if len(table) <= full or table[full] == NULL_PAGE:
+                continue  # a compressed space with no slot in it yet
+            h = self.index.host_page(name)
+            if h is None:
+                for s, p in taken.items():
+                    self.host_tier.release(s, p)
+                return
+            self.host_tier.hold(name, h)
+            self.host_tier.transfers.write(name, table[full], h)
+            self.host_tier.stats.written_pages[name] += 1
+            taken[name] = h
+        if taken:
+            self._swapped[request_id] = SwappedTail(full, partial, taken)
 
     def take_transfers(self) -> TierTransfers:
         """Device <-> host copies decided since the last call (execute before the next forward)."""
@@ -423,6 +483,9 @@ class KVCacheManager:
         req = self._requests.pop(request_id, None)
         if req is not None:
             self._release(req)
+        elif request_id in self._swapped:  # a swapped-out request that will not resume
+            for name, h in self._swapped.pop(request_id).host_pages.items():
+                self.host_tier.release(name, h)
 
     def _release(self, req: RequestPages) -> None:
         if req.receipt is not None:
@@ -508,6 +571,7 @@ class KVCacheManager:
         """No request holds a page: every page is free or cached, every refcount and lock is zero."""
         self.check_invariants()
         assert not self._requests, f"requests still hold pages: {list(self._requests)}"
+        assert not self._swapped, f"swapped-out partial pages still held for {list(self._swapped)}"
         for space in self.spaces.values():
             assert space.num_in_use == 0, f"space {space.name!r}: {space.num_in_use} pages still in use"
         if self.index is not None:

@@ -732,6 +732,11 @@ class ShadowIndex:
             self._sync(victim)
         return pool.allocate()
 
+    def host_page(self, space: str) -> int | None:
+        """A host page for data outside the index (a swapped-out partial page): the caller
+        registers it with HostTier.hold. None when the host has no room."""
+        return self._host_page(space, keep=None)
+
     def _write(self, node: ShadowNode, space: str) -> bool:
         """Make sure node's device page in `space` has a host copy (queue the copy). False when
         the host has no room."""
@@ -891,7 +896,7 @@ class ShadowIndex:
             in_index = {p for p in range(space.num_physical_pages) if space.in_index[p]}
             assert in_index == referenced[s], f"space {s!r}: index ledger differs from the tree"
             if self.tier is not None:
-                self.tier.pools[s].check_invariants(host_referenced[s])
+                self.tier.pools[s].check_invariants(host_referenced[s] | self.tier.held[s])
         # Every live receipt's SWA boundary carries its stamp, and no stamp is orphaned.
         live_swa = {r.id: r.swa_boundary for r in self._live_receipts.values() if r.swa_held}
         assert set(stamps) == set(live_swa), f"stale swa stamps {set(stamps) ^ set(live_swa)}"

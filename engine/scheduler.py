@@ -177,7 +177,7 @@ class Scheduler:
         if not req.wants_prompt_logprobs:  # cached tokens have no logits to report
             # touch=False: a request that cannot be admitted yet must not bump hit counts on
             # every retry; allocate(touch_hit=True) counts the hit once, when it is admitted.
-            hit = self.kv.match_prefix(req.all_token_ids, req.namespace, touch=False)
+            hit = self.kv.match_prefix(req.all_token_ids, req.namespace, touch=False, request_id=req.request_id)
             req.num_computed_tokens = hit.num_tokens
         n = min(req.num_tokens - req.num_computed_tokens, budget)
         if self.timer is not None:
@@ -197,7 +197,7 @@ class Scheduler:
             self.num_resumed_host_tokens += hit.host_tokens if hit is not None else 0
             if hit is not None and hit.host_tokens:
                 self.num_swap_ins += 1
-            lost = req.num_computed_tokens_at_preemption // self.kv.page_size * self.kv.page_size
+            lost = req.num_computed_tokens_at_preemption
             self.num_recomputed_after_preemption += max(0, lost - req.num_computed_tokens)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now

@@ -166,7 +166,41 @@ def test_swap_preemption_equals_unconstrained_and_recomputes_nothing_the_host_he
     assert got == want, "swap preemption changed the outputs"
     assert llm.engine.kv.num_swap_outs == sched.num_preemptions
     assert sched.num_swap_ins > 0 and sched.num_resumed_host_tokens > 0
-    assert sched.num_recomputed_after_preemption == 0, "a resume recomputed pages the host still held"
+    assert sched.num_recomputed_after_preemption == 0, (
+        "a resume recomputed tokens the host still held (whole pages or the partial last page)")
+
+
+def test_abort_of_a_swapped_out_request_frees_its_host_pages(tiny_ckpt):
+    """A request preempted with swap (its pages and partial last page on the host) is aborted
+    while it waits: its held host pages go back, the others finish with unchanged outputs."""
+    path = tiny_ckpt("llama")
+    prompts = [_prompt(100, 300, seed=60 + i) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    big = LLM(path, dtype="float32", max_model_len=256)
+    want = {f"q{i}": o.outputs[0].token_ids for i, o in enumerate(
+        big.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))}
+    page_bytes = big.engine.kv.specs["full"].bytes_per_page(16)
+    llm = LLM(path, dtype="float32", max_model_len=160, kv_cache_memory_bytes=16 * page_bytes,
+              enable_hierarchical_cache=True, hicache_ratio=8.0, preemption_mode="swap")
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(f"q{i}", {"prompt_token_ids": p}, params)
+    got, aborted = {}, None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                got[o.request_id] = o.outputs[0].token_ids
+        if aborted is None and eng.kv._swapped:
+            internal = next(iter(eng.kv._swapped))
+            aborted = eng._request_to_group[internal].request_id
+            held = sum(len(t.host_pages) for t in eng.kv._swapped.values())
+            used = sum(p.num_used for p in eng.kv.host_tier.pools.values())
+            eng.abort_request(aborted)
+            assert internal not in eng.kv._swapped
+            assert sum(p.num_used for p in eng.kv.host_tier.pools.values()) < used or held == 0
+            eng.kv.check_invariants()
+    assert aborted is not None, "no request was swapped out"
+    assert got == {k: v for k, v in want.items() if k != aborted}
 
 
 def test_swapped_out_request_whose_host_copy_was_evicted_resumes_by_recompute(tiny_ckpt):

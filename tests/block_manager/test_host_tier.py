@@ -1,0 +1,109 @@
+"""The host tier (HiCache L2) in the shadow index and KV cache manager, op by op.
+
+Invariants checked: a demoted node keeps serving hits (match reports what must be loaded back);
+write policies copy exactly when they say; a node whose load-back is pending is never evicted
+on the host, and no device->host copy targets its host page before the load ran; ledgers exact.
+"""
+from __future__ import annotations
+
+from hybridkv.block_manager.kv_cache_manager import KVCacheManager
+from hybridkv.block_manager.space_spec import SpaceSpec
+
+P = 4
+SPECS = [SpaceSpec("full", 1, 8), SpaceSpec("swa", 1, 8, window=6)]
+
+
+def _kv(host: int, policy: str = "write_through", device: int = 16) -> KVCacheManager:
+    return KVCacheManager(SPECS, {"full": device, "swa": device}, P, True,
+                          host_pages={"full": host, "swa": host}, hicache_write_policy=policy)
+
+
+def _run(kv: KVCacheManager, rid: str, toks: list[int], touch: bool = False) -> None:
+    """Admit (with whatever hit the cache has), compute everything, record, leave."""
+    hit = kv.match_prefix(toks, touch=False)
+    assert kv.allocate(rid, len(toks), hit, touch_hit=touch)
+    kv.take_transfers()
+    kv.commit(rid, toks, len(toks), prompt_done=True)
+    kv.retire(rid, toks, len(toks), turn_done=True)
+    kv.take_transfers()
+    kv.check_invariants()
+
+
+def _evict_device(kv: KVCacheManager) -> None:
+    for name, space in kv.spaces.items():
+        kv.index.evict(name, space.num_pages)
+    kv.take_transfers()
+    kv.check_invariants()
+
+
+def test_demoted_prefix_is_a_host_hit():
+    kv = _kv(host=16)
+    toks = list(range(13))
+    _run(kv, "a", toks)
+    _evict_device(kv)
+    assert kv.spaces["full"].num_cached == 0, "every device page should be gone"
+    hit = kv.match_prefix(toks + [99], touch=False)
+    assert hit.num_tokens == 12 and hit.host_tokens == 12 and hit.device_tokens == 0
+    assert hit.loads["full"] == [0, 1, 2] and hit.loads["swa"] == [1, 2], "swa loads only its window"
+    assert kv.allocate("b", 14, hit)
+    t = kv.take_transfers()
+    assert len(t.to_device["full"]) == 3 and len(t.to_device["swa"]) == 2
+    kv.check_invariants()
+    kv.free("b")
+    kv.take_transfers()
+    kv.assert_idle()
+
+
+def test_write_back_copies_only_when_the_device_evicts():
+    kv = _kv(host=16, policy="write_back")
+    _run(kv, "a", list(range(9)))
+    assert sum(kv.host_tier.stats.written_pages.values()) == 0, "write_back wrote before any eviction"
+    _evict_device(kv)
+    assert kv.host_tier.stats.written_pages["full"] == 2
+
+
+def test_selective_writes_a_node_once_hit_twice():
+    kv = _kv(host=16, policy="write_through_selective")
+    toks = list(range(9))
+    _run(kv, "a", toks)
+    assert sum(kv.host_tier.stats.written_pages.values()) == 0
+    _run(kv, "b", toks, touch=True)  # hit 1 (insert counts the recording) ...
+    _run(kv, "c", toks, touch=True)  # ... hit 2: hot now
+    assert kv.host_tier.stats.written_pages["full"] == 2
+    _evict_device(kv)
+    assert kv.match_prefix(toks, touch=False).host_tokens == 8
+
+
+def test_host_eviction_never_takes_a_node_whose_load_back_is_pending():
+    """A host hit is admitted (its load is decided, not yet run); then other requests fill the
+    host so that write-through must evict there. The loading node's host page survives, and no
+    device->host copy of the same batch targets it."""
+    kv = _kv(host=4, device=32)
+    toks = list(range(9))  # 2 whole pages
+    _run(kv, "a", toks)
+    _evict_device(kv)
+    hit = kv.match_prefix(toks, touch=False)
+    assert hit.host_tokens == 8
+    assert kv.allocate("b", 9, hit)
+    pending = {s: dict(c) for s, c in kv.host_tier.transfers.to_device.items()}
+    sources = {s: set(c.values()) for s, c in pending.items()}
+    # Pressure: other prompts recorded with write-through while the load is still pending.
+    for i in range(3):
+        other = [100 + 10 * i + j for j in range(9)]
+        hit_o = kv.match_prefix(other, touch=False)
+        assert kv.allocate(f"o{i}", 9, hit_o)
+        kv.commit(f"o{i}", other, 9)
+    assert kv.host_tier.stats.host_evicted_nodes + kv.host_tier.stats.host_copies_dropped + \
+        kv.host_tier.stats.write_failures > 0, "the host should have been under pressure"
+    t = kv.take_transfers()
+    assert t.to_device == pending, "the pending load-back changed"
+    for s, dst in t.to_host.items():
+        assert not set(dst) & sources.get(s, set()), "a device->host copy overwrote a load-back's source"
+    for node in hit.nodes:
+        for s in ("full",):
+            assert node.host[s] in sources[s], "the loading node lost its host copy"
+    kv.check_invariants()
+    for rid in ("b", "o0", "o1", "o2"):
+        kv.free(rid)
+    kv.take_transfers()
+    kv.assert_idle()
