@@ -34,7 +34,10 @@ setup(
         "jinja2",
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "openai", "prometheus-client"],
+        # The storage tier's Redis backend (hicache_storage_backend="redis"); the default file
+        # backend needs nothing. Tests run it against a real redis-server, so test pulls it too.
+        "redis": ["redis>=5", "hiredis"],
+        "test": ["pytest", "hypothesis", "openai", "prometheus-client", "redis>=5", "hiredis"],
         "gpu": ["triton", "xformers"],
     },
     entry_points={"console_scripts": ["hybridkv=hybridkv.entrypoints.cli:main"]},

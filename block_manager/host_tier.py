@@ -44,6 +44,7 @@ class HostTier:
         # Host pages held outside the index (swapped-out partial pages), and pages to free once
         # the copies reading them were handed over (a load-back's source must not be reused first).
         self.held: dict[str, set[int]] = {s: set() for s in pools}
+        self.storage_writes = False  # a storage tier (L3) below: every new host copy is also stored
         self._free_after_take: list[tuple[str, int]] = []
 
     def hold(self, space: str, page: int) -> None:

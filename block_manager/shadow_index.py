@@ -46,6 +46,7 @@ from typing import Hashable, Iterator, Sequence
 from hybridkv.block_manager.block_space import BlockSpace
 from hybridkv.block_manager.eviction_policy import EvictionPolicy, EvictionQueue
 from hybridkv.block_manager.host_tier import SELECTIVE_MIN_HITS, HostTier
+from hybridkv.block_manager.page_keys import next_chain, root_chain, storage_key
 from hybridkv.block_manager.space_spec import NULL_PAGE
 
 TOMBSTONE = None  # shadow of a windowed space whose page was dropped
@@ -72,6 +73,7 @@ class ShadowNode:
     tail_point: bool = False  # leaf, branch point or boundary (counted in the tail_refs above it)
     tail_refs: dict[str, int] = field(default_factory=dict)  # windowed space -> tail points whose window covers this node
     namespace: Hashable = None  # roots only
+    chain: bytes = b""  # content key of the prefix ending here (page_keys.py; with a chain seed only)
 
     @property
     def is_root(self) -> bool:
@@ -134,10 +136,13 @@ class ShadowIndex:
         policy: EvictionPolicy | None = None,
         windowed_match: bool = True,
         host_tier: HostTier | None = None,
+        chain_seed: bytes | None = None,
     ) -> None:
         """windowed_match=False is the baseline that drops the whole prefix as soon as any
         windowed page on it is gone (kept for benchmarks and tests to compare against).
-        host_tier: keep shadows on the host too (see "Host tier" below)."""
+        host_tier: keep shadows on the host too (see "Host tier" below). chain_seed: give every
+        node the content key of its prefix (a storage tier names pages by it)."""
+        self.chain_seed = chain_seed
         self.spaces = spaces
         self.page_size = page_size
         self.policy = policy or EvictionPolicy()
@@ -182,6 +187,8 @@ class ShadowIndex:
         root = self._roots.get(namespace)
         if root is None and create:
             root = self._roots[namespace] = ShadowNode(key=(), parent=None, depth=0, namespace=namespace)
+            if self.chain_seed is not None:
+                root.chain = root_chain(self.chain_seed, namespace)
         return root
 
     def _key(self, token_ids: Sequence[int], i: int) -> tuple[int, ...]:
@@ -404,6 +411,8 @@ class ShadowIndex:
             child = node.children.get(key)
             if child is None:
                 child = ShadowNode(key=key, parent=node, depth=node.depth + 1, priority=priority, seq=next(self._seq))
+                if self.chain_seed is not None:
+                    child.chain = next_chain(node.chain, key)
                 child.tail_refs = {s: 0 for s in self.windows}
                 if self.tier is not None:
                     child.host = {s: None for s in self.spaces}
@@ -749,6 +758,8 @@ class ShadowIndex:
         node.host[space] = h
         self.tier.transfers.write(space, node.shadows[space], h)
         self.tier.stats.written_pages[space] += 1
+        if self.tier.storage_writes:
+            self.tier.transfers.store(space, h, storage_key(node.chain, space))
         return True
 
     def write_node(self, node: ShadowNode) -> bool:
@@ -789,6 +800,62 @@ class ShadowIndex:
         if self._is_dead_leaf(node):
             self._delete(node)
         return True
+
+    def insert_host(
+        self, token_ids: Sequence[int], namespace: Hashable, first_page: int, host_pages: dict[str, list[int | None]]
+    ) -> tuple[int, list[tuple[str, int]]]:
+        """Record pages read from a storage tier into host pages: pages first_page.. of
+        token_ids, host_pages[s][j] holding page first_page + j of space s (None: not read, a
+        windowed page outside the trailing window). The path up to first_page must exist (the
+        caller locked its end). Existing nodes keep their data; a host page they do not need is
+        handed back. Returns (pages now recorded, [(space, host page) the caller must free])."""
+        node = self._root(namespace, create=first_page == 0)
+        unused: list[tuple[str, int]] = []
+        n = min(len(v) for v in host_pages.values()) if host_pages else 0
+        for i in range(first_page):
+            node = node.children.get(self._key(token_ids, i)) if node is not None else None
+        if node is None:
+            return 0, [(s, h) for s, hs in host_pages.items() for h in hs if h is not None]
+        walked: list[ShadowNode] = []
+        for j in range(n):
+            i = first_page + j
+            key = self._key(token_ids, i)
+            child = node.children.get(key)
+            if child is None:
+                child = ShadowNode(key=key, parent=node, depth=node.depth + 1, seq=next(self._seq))
+                child.tail_refs = {s: 0 for s in self.windows}
+                child.host = {s: None for s in self.spaces}
+                child.shadows = {s: TOMBSTONE for s in self.spaces}
+                if self.chain_seed is not None:
+                    child.chain = next_chain(node.chain, key)
+                for s in self.spaces:
+                    child.host[s] = host_pages.get(s, [None] * n)[j]
+                node.children[key] = child
+                self._nodes.add(child)
+                self._update_tail_point(child)
+                self._update_tail_point(node)
+                if not node.is_root:
+                    self._sync(node)
+            else:
+                for s in self.spaces:
+                    h = host_pages.get(s, [None] * n)[j]
+                    if h is None:
+                        continue
+                    if child.host[s] is None and child.shadows[s] is None:
+                        child.host[s] = h  # heal a tombstone with the stored page
+                    else:
+                        unused.append((s, h))
+            walked.append(child)
+            node = child
+        if walked:
+            self._touch(walked, hit=False)
+            if self._is_dead_leaf(walked[-1]):  # its trailing windowed pages were not read
+                self._delete(walked[-1])
+        return n, unused
+
+    def free_host_page(self, space: str, page: int) -> None:
+        """Give back a host page insert_host did not use."""
+        self.tier.pools[space].free(page)
 
     def attach_loaded(self, node: ShadowNode, space: str, device_page: int) -> None:
         """A request admitted with a host hit holds device_page for node's data in space: the

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 class TierTransfers:
     to_host: dict[str, dict[int, int]] = field(default_factory=dict)  # space -> {host page: device page}
     to_device: dict[str, dict[int, int]] = field(default_factory=dict)  # space -> {device page: host page}
+    # Host pages to write to the storage tier once their device->host copy ran: space ->
+    # {host page: store key}. Run after the copies (the bytes are read from the host page then).
+    to_storage: dict[str, dict[int, str]] = field(default_factory=dict)
 
     def write(self, space: str, device_page: int, host_page: int) -> None:
         self.to_host.setdefault(space, {})[host_page] = device_page
@@ -28,9 +31,13 @@ class TierTransfers:
     def load(self, space: str, host_page: int, device_page: int) -> None:
         self.to_device.setdefault(space, {})[device_page] = host_page
 
+    def store(self, space: str, host_page: int, key: str) -> None:
+        self.to_storage.setdefault(space, {})[host_page] = key
+
     def cancel_write(self, space: str, host_page: int) -> None:
-        """The host page was freed before the flush: its pending copy is moot."""
+        """The host page was freed before the flush: its pending copies are moot."""
         self.to_host.get(space, {}).pop(host_page, None)
+        self.to_storage.get(space, {}).pop(host_page, None)
 
     @property
     def empty(self) -> bool:

@@ -104,6 +104,8 @@ class EngineSnapshot:
     tier_transfer_seconds: float = 0.0
     num_swap_outs: int = 0
     num_swap_ins: int = 0
+    # Storage tier (HiCache L3), when enabled: the backend's and the controller's counters.
+    storage: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def capture(cls, engine: LLMEngine) -> "EngineSnapshot":
@@ -134,6 +136,7 @@ class EngineSnapshot:
             tier_transfer_seconds=engine.tier_stats["transfer_seconds"],
             num_swap_outs=kv.num_swap_outs,
             num_swap_ins=engine.scheduler.num_swap_ins,
+            storage=engine.storage.snapshot() if engine.storage is not None else {},
         )
 
 

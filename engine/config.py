@@ -38,6 +38,11 @@ class EngineConfig:
     # What a request preempted for room loses: "recompute" (its pages stay in the device prefix
     # cache until evicted) or "swap" (they are written to the host tier too; needs it).
     preemption_mode: str = "recompute"
+    # HiCache L3: a store under the host tier, shared across processes (SGLang's names).
+    hicache_storage_backend: str | None = None  # None | "file" | "redis"
+    hicache_storage_backend_extra_config: str | dict | None = None  # JSON or dict, e.g. {"url": "redis://..."}
+    hicache_storage_dir: str | None = None  # file backend directory (default ~/.cache/hybridkv/kv_store)
+    hicache_storage_prefetch_policy: str = "timeout"  # best_effort | wait_complete | timeout
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size < 1:
@@ -59,6 +64,12 @@ class EngineConfig:
                 raise ValueError(f"hicache_ratio must be > 0, got {self.hicache_ratio}")
             if self.hicache_size is not None and self.hicache_size <= 0:
                 raise ValueError(f"hicache_size must be > 0 bytes, got {self.hicache_size}")
+        if self.hicache_storage_backend is not None and not self.enable_hierarchical_cache:
+            raise ValueError("hicache_storage_backend reads into and writes from the host tier: "
+                             "set enable_hierarchical_cache=True")
+        if self.hicache_storage_prefetch_policy not in ("best_effort", "wait_complete", "timeout"):
+            raise ValueError(f"unknown hicache_storage_prefetch_policy {self.hicache_storage_prefetch_policy!r}; "
+                             "choose one of ['best_effort', 'wait_complete', 'timeout']")
         if self.load_back_threshold < 0:
             raise ValueError(f"load_back_threshold must be >= 0 tokens, got {self.load_back_threshold}")
 

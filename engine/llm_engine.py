@@ -141,10 +141,11 @@ class LLMEngine:
         self.runner.bind_kv_cache(self.kv)
         if host_pages is not None:
             self.runner.bind_host_cache(host_pages, config.hicache_mem_layout)
+        self.storage = self._make_storage_tier(specs) if config.hicache_storage_backend is not None else None
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, budget, self.max_model_len, config.scheduling_policy,
                             config.target_step_seconds, preemption_mode=config.preemption_mode),
-            self.kv, self.runner.step_cost,
+            self.kv, self.runner.step_cost, storage=self.storage,
         )
         self._groups: dict[str, _Group] = {}
         self._request_to_group: dict[str, _Group] = {}
@@ -207,6 +208,35 @@ class LLMEngine:
         n = max(1, int(self.config.hicache_ratio * max(whole)))
         return {s.name: n for s in specs}
 
+    def _make_storage_tier(self, specs):
+        """The L3 store under the host tier: pages are named by hash chains seeded with this
+        configuration's KV fingerprint (set on the index before any node exists)."""
+        import json
+        import os
+
+        from hybridkv.block_manager.storage.backend import make_backend
+        from hybridkv.engine.kv_fingerprint import kv_fingerprint
+        from hybridkv.engine.storage_tier import StorageTier
+
+        cfg = self.config
+        fp = kv_fingerprint(self.model_dir, str(self.runner.dtype), self.block_size, specs,
+                            self.runner.host_cache.page_layout)
+        extra = cfg.hicache_storage_backend_extra_config
+        if isinstance(extra, str):
+            try:
+                extra = json.loads(extra) if extra.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"hicache_storage_backend_extra_config is not valid JSON: {e}") from None
+        extra = dict(extra or {})
+        if cfg.hicache_storage_backend == "file":
+            extra.setdefault("dir", cfg.hicache_storage_dir or os.path.join(
+                os.path.expanduser("~"), ".cache", "hybridkv", "kv_store"))
+        backend = make_backend(cfg.hicache_storage_backend, extra)
+        self.kv.index.chain_seed = fp.seed
+        logger.info("storage tier (HiCache L3): backend=%s prefetch=%s fingerprint=%s",
+                    cfg.hicache_storage_backend, cfg.hicache_storage_prefetch_policy, fp.seed.hex()[:16])
+        return StorageTier(backend, self.kv, self.runner.host_cache, fp, cfg.hicache_storage_prefetch_policy)
+
     def _flush_tier_transfers(self) -> None:
         """Execute the device <-> host copies the KV manager decided (before any forward reads
         the pages; the order is tier_transfers.py's)."""
@@ -218,6 +248,8 @@ class LLMEngine:
         self.tier_stats["write_back_bytes"] += to_host
         self.tier_stats["load_back_bytes"] += to_device
         self.tier_stats["transfer_seconds"] += time.perf_counter() - t0
+        if self.storage is not None:
+            self.storage.store(transfers)
 
     def _pages_per_space(self, specs, max_chunk_tokens: int) -> dict[str, int]:
         """Split the KV memory between spaces by bytes per token of context.
@@ -386,6 +418,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self._flush_tier_transfers()  # load-backs (and write-backs of evicted pages) before the forward
         if sched.empty:
+            if self.storage is not None and self.storage.num_outstanding:
+                time.sleep(0.001)  # requests wait for their prefetch: do not spin the CPU
             return []
         result = self.runner.execute(sched.model_input())
         self.scheduler.update_after_step(sched)
@@ -523,7 +557,8 @@ class LLMEngine:
             "num_cached_tokens": max(0, lead.num_cached_tokens),
             # Where the prompt came from: device cache, host tier (loaded back), or computed.
             "prompt_tokens_from_device": max(0, lead.num_cached_tokens) - lead.num_host_cached_tokens,
-            "prompt_tokens_from_host": lead.num_host_cached_tokens,
+            "prompt_tokens_from_host": lead.num_host_cached_tokens - lead.num_storage_cached_tokens,
+            "prompt_tokens_from_storage": lead.num_storage_cached_tokens,
             "prompt_tokens_computed": len(lead.prompt_token_ids) - max(0, lead.num_cached_tokens),
             "cached_tokens_per_space": dict(lead.cached_tokens_per_space),
         }

@@ -46,6 +46,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache (set on first schedule)
     num_host_cached_tokens: int = 0  # of num_cached_tokens, those loaded back from the host tier
+    num_storage_cached_tokens: int = 0  # of those, the ones the storage tier had prefetched
     num_computed_tokens_at_preemption: int = 0  # at the last preemption (swap accounting)
     cached_tokens_per_space: dict[str, int] = field(default_factory=dict)  # block space -> prompt tokens it served from cache
     num_preemptions: int = 0

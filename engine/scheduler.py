@@ -93,12 +93,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, step_cost: StepCost | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, step_cost: StepCost | None = None,
+                 storage=None) -> None:
+        """storage: the engine's StorageTier (HiCache L3), or None."""
         if config.target_step_seconds is not None and step_cost is None:
             raise ValueError("a target_step_seconds needs the model's step_cost to price chunks")
         self.config = config
         self.kv = kv
         self.step_cost = step_cost
+        self.storage = storage
         self.timer = StepTimer(config.target_step_seconds) if config.target_step_seconds is not None else None
         # Preemption accounting: resumes that loaded pages back from the host (swap-ins), tokens
         # they loaded, and whole-page tokens a resume had to recompute (the cache had lost them).
@@ -115,6 +118,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        if self.storage is not None and not request.wants_prompt_logprobs:
+            self.storage.begin(request.request_id, request.all_token_ids, request.namespace)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -134,6 +139,8 @@ class Scheduler:
         now = time.monotonic()
         if self.timer is not None:
             self._start_pricing(out)
+        if self.storage is not None:
+            self.storage.poll()
 
         i = 0
         allocate, scheduled = self.kv.allocate, out.scheduled  # hot loop: one pass per running request
@@ -167,6 +174,8 @@ class Scheduler:
                     break
                 if req.request_id in order.deferred and (out.scheduled or self.running):
                     continue  # in-batch grouping: the group's first request computes the shared prefix
+                if self.storage is not None and self.storage.blocks(req.request_id):
+                    continue  # its prefix is still being read from storage
                 if not self._admit(req, budget, now, out):
                     break
                 budget -= out.scheduled[-1].num_new_tokens
@@ -191,6 +200,8 @@ class Scheduler:
         if req.num_cached_tokens < 0:  # first admission, not a resume after preemption
             req.num_cached_tokens = req.num_computed_tokens
             req.num_host_cached_tokens = hit.host_tokens if hit is not None else 0
+            if self.storage is not None:
+                req.num_storage_cached_tokens = min(self.storage.admitted(req.request_id), req.num_host_cached_tokens)
             req.cached_tokens_per_space = dict(hit.per_space_tokens) if hit is not None else {}
             self.kv.record_query(req.num_prompt_tokens, hit)
         elif req.num_preemptions:  # a resume: what came back, and what the cache no longer held
@@ -287,4 +298,6 @@ class Scheduler:
             self.waiting.remove(req)
         except ValueError:
             pass
+        if self.storage is not None:
+            self.storage.abort(req.request_id)
         self.kv.free(req.request_id)

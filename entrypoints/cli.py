@@ -60,6 +60,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="host hits shorter than this many tokens are recomputed instead of loaded (default: 0)")
     h.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                    help="swap: a preempted request's pages go to the host tier (needs --enable-hierarchical-cache)")
+    h.add_argument("--hicache-storage-backend", default=None, choices=["file", "redis"],
+                   help="a store under the host tier (HiCache L3), shared across processes")
+    h.add_argument("--hicache-storage-backend-extra-config", default=None,
+                   help='JSON settings of the store, e.g. \'{"url": "redis://127.0.0.1:6379/0"}\'')
+    h.add_argument("--hicache-storage-dir", default=None,
+                   help="directory of the file store (default ~/.cache/hybridkv/kv_store)")
+    h.add_argument("--hicache-storage-prefetch-policy", default="timeout",
+                   choices=["best_effort", "wait_complete", "timeout"],
+                   help="how long a request waits for its prefix to be read from the store (default: timeout)")
 
 
 def _engine_accepts(name: str) -> bool:
@@ -105,6 +114,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         hicache_mem_layout=args.hicache_mem_layout,
         load_back_threshold=args.load_back_threshold,
         preemption_mode=args.preemption_mode,
+        hicache_storage_backend=args.hicache_storage_backend,
+        hicache_storage_backend_extra_config=args.hicache_storage_backend_extra_config,
+        hicache_storage_dir=args.hicache_storage_dir,
+        hicache_storage_prefetch_policy=args.hicache_storage_prefetch_policy,
     )
     if _engine_accepts("attention_backend"):
         kwargs["attention_backend"] = args.attention_backend

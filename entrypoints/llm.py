@@ -22,6 +22,9 @@ class LLM:
     device evicts are kept on the host and loaded back on a hit; hicache_ratio / hicache_size
     size it, hicache_write_policy says when pages are copied there, hicache_mem_layout how
     they are laid out. preemption_mode="swap" writes a preempted request's pages to that tier.
+    hicache_storage_backend="file" | "redis" adds a store under it (HiCache L3) that outlasts the
+    process and can be shared by several (hicache_storage_backend_extra_config: JSON or dict,
+    e.g. {"url": "redis://127.0.0.1:6379/0"}; hicache_storage_dir for "file").
 
     block_size: tokens per KV page; None (the default) takes the model's default page size (16
     for dense models, 128 for DeepSeek-V4). An explicit size the model cannot use (not a multiple
@@ -54,6 +57,10 @@ class LLM:
         hicache_mem_layout: str = "page_first",
         load_back_threshold: int = 0,
         preemption_mode: str = "recompute",
+        hicache_storage_backend: str | None = None,
+        hicache_storage_backend_extra_config: str | dict | None = None,
+        hicache_storage_dir: str | None = None,
+        hicache_storage_prefetch_policy: str = "timeout",
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -80,6 +87,10 @@ class LLM:
                 hicache_mem_layout=hicache_mem_layout,
                 load_back_threshold=load_back_threshold,
                 preemption_mode=preemption_mode,
+                hicache_storage_backend=hicache_storage_backend,
+                hicache_storage_backend_extra_config=hicache_storage_backend_extra_config,
+                hicache_storage_dir=hicache_storage_dir,
+                hicache_storage_prefetch_policy=hicache_storage_prefetch_policy,
             )
         )
 

@@ -58,6 +58,7 @@ class HostKVCache:
         self._tensor_bytes: dict[str, list[int]] = {}  # one page's bytes in each device tensor
         # page_first: [one uint8 tensor]; layer_first: one tensor per device tensor.
         self.host: dict[str, list[torch.Tensor]] = {}
+        self.page_layout: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
         for name, n in host_pages.items():
             self._add_space(name, self.device_caches.get(name), slots_per_page.get(name), n)
         self.nbytes = sum(h.numel() * h.element_size() for hs in self.host.values() for h in hs)
@@ -89,6 +90,11 @@ class HostKVCache:
             ]
         self.slots_per_page[name], self.host_pages[name], self.num_pages[name] = spp, n, num_pages
         self._tensor_bytes[name], self.bytes_per_page[name] = tensor_bytes, sum(tensor_bytes)
+        # What one page's bytes are, tensor after tensor: (dtype, shape of its page slice). The
+        # same for both layouts (read_pages/write_pages speak page_first order).
+        self.page_layout[name] = [
+            (str(t.dtype), tuple(t.shape[:-2]) + (spp, t.shape[-1])) for t in tensors
+        ]
         self.host[name] = host
 
     # -- copies ------------------------------------------------------------------------------
@@ -195,3 +201,42 @@ class HostKVCache:
         torch.index_select(h, dim, idx, out=staging)
         # The caching host allocator keeps pinned staging alive until the copy's stream is done.
         return staging.to(device, non_blocking=self.pinned)
+
+    # -- whole pages as bytes (the storage tier's values) ---------------------------------------------
+    def read_pages(self, name: str, host_ids: list[int]) -> list[bytes]:
+        """The bytes of host pages (every tensor of the space, in page_first order whatever the
+        layout), one bytes object per page: what a storage tier stores."""
+        if not host_ids:
+            return []
+        idx = torch.tensor(host_ids, dtype=torch.long)
+        if self.layout == "page_first":
+            rows = self.host[name][0].index_select(0, idx)
+        else:
+            parts = []
+            for h in self.host[name]:
+                pd = h.dim() - 2
+                g = self._paged(h, name).index_select(pd, idx)
+                parts.append(g.movedim(pd, 0).contiguous().view(torch.uint8).reshape(len(host_ids), -1))
+            rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return [bytes(r.numpy().data) for r in rows]
+
+    def write_pages(self, name: str, host_ids: list[int], pages: list[bytes]) -> None:
+        """Fill host pages from bytes read_pages produced (a storage tier's read lands here)."""
+        if not host_ids:
+            return
+        nbytes = self.bytes_per_page[name]
+        if any(len(p) != nbytes for p in pages):
+            raise ValueError(f"space {name!r}: a page must be {nbytes} bytes")
+        idx = torch.tensor(host_ids, dtype=torch.long)
+        data = torch.frombuffer(bytearray(b"".join(pages)), dtype=torch.uint8).view(len(pages), nbytes)
+        if self.layout == "page_first":
+            self.host[name][0].index_copy_(0, idx, data)
+            return
+        off = 0
+        for h, tb in zip(self.host[name], self._tensor_bytes[name]):
+            pd = h.dim() - 2
+            paged = self._paged(h, name)
+            page_shape = paged.shape[:pd] + paged.shape[pd + 1 :]
+            src = data[:, off : off + tb].contiguous().view(h.dtype).view(len(pages), *page_shape).movedim(0, pd)
+            paged.index_copy_(pd, idx, src)
+            off += tb

@@ -101,6 +101,28 @@ class _EngineCollector(Collector):
                           s.tier_transfer_seconds)
             yield counter("swap_outs", "Preempted requests whose pages were written to the host tier.", s.num_swap_outs)
             yield counter("swap_ins", "Resumed requests that loaded pages back from the host tier.", s.num_swap_ins)
+        if s.storage:  # the storage tier (HiCache L3) is on
+            st = s.storage
+            yield gauge("storage_prefetch_outstanding", "Prefetch reservations held (0 when idle).",
+                        st["prefetch_outstanding"])
+            outcomes = CounterMetricFamily(PREFIX + "storage_prefetches", "Storage prefetches by outcome.",
+                                           labels=["model_name", "outcome"])
+            for outcome in ("started", "completed", "timed_out", "aborted", "failed"):
+                outcomes.add_metric([self._model, outcome], st[f"prefetches_{outcome}"])
+            yield outcomes
+            yield counter("storage_prefetch_pages", "Pages recorded from the store into the host tier.",
+                          st["prefetch_pages"])
+            yield counter("storage_corrupt_values", "Stored values rejected (header or checksum mismatch).",
+                          st["corrupt_values"])
+            yield counter("storage_writes", "Pages handed to the store.", st["writes_queued"])
+            yield counter("storage_writes_dropped", "Pages not written (queue full or failed put).",
+                          st["writes_dropped"])
+            for key, doc in (("hits", "Keys the store returned."), ("misses", "Keys the store did not have."),
+                             ("errors", "Store operations that failed (counted as misses or dropped writes)."),
+                             ("bytes_read", "Bytes read from the store."), ("bytes_written", "Bytes written to the store."),
+                             ("get_seconds", "Seconds in store reads."), ("put_seconds", "Seconds in store writes.")):
+                if f"backend_{key}" in st:
+                    yield counter(f"storage_{key}", doc, st[f"backend_{key}"])
 
 
 class ServerMetrics:
