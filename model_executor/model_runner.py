@@ -21,12 +21,27 @@ from hybridkv.block_manager.kv_cache_manager import KVCacheManager
 from hybridkv.model_executor.host_kv_cache import HostKVCache
 from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
 from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
-from hybridkv.model_executor.checkpoint import iter_weights, load_config, resolve_dtype
+from hybridkv.model_executor.checkpoint import iter_weights, load_config, resolve_dtype, weight_files
+from hybridkv.model_executor.quantization import (
+    attach_block_scales, describe_weights, quantization_config_of, quantized_linears, weight_inventory,
+)
 from hybridkv.model_executor.models.base import CausalLM
 from hybridkv.model_executor.models.registry import resolve_model_class
 from hybridkv.model_executor.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
+
+
+def dequantize_weights_wanted(explicit: bool | None, checkpoint_asks: bool) -> bool:
+    """Whether to expand block-quantized weights to the model dtype at load instead of keeping
+    them compressed (faster matmuls, 2-4x the memory). The caller's choice wins, then
+    HYBRIDKV_DEQUANTIZE_WEIGHTS=1/0, then the checkpoint's quantization_config.dequantize."""
+    if explicit is not None:
+        return explicit
+    env = os.environ.get("HYBRIDKV_DEQUANTIZE_WEIGHTS")
+    if env is not None and env.strip() != "":
+        return env.strip() not in ("0", "false", "False")
+    return checkpoint_asks
 
 
 def debug_checks_enabled() -> bool:
@@ -58,10 +73,16 @@ class ModelRunner:
         allow_pickle_weights: bool = False,
         attention_backend: str = "torch_native",
         device: torch.device | str = "cpu",
+        dequantize_weights: bool | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.config = load_config(model_dir)
         self.dtype = resolve_dtype(dtype, self.config)
+        # Validated before the (slow) load: an unsupported quant_method / fmt fails fast.
+        self.quantization = quantization_config_of(self.config)
+        self.dequantize_weights = self.quantization is not None and dequantize_weights_wanted(
+            dequantize_weights, self.quantization.dequantize
+        )
         model_max = getattr(self.config, "max_position_embeddings", None) or 2048
         if max_model_len is None:
             max_model_len = model_max
@@ -76,13 +97,18 @@ class ModelRunner:
         t0 = time.perf_counter()
         with self.device:
             model: CausalLM = cls(self.config, max_positions=max_model_len)
-        model.load_weights(iter_weights(model_dir, allow_pickle=allow_pickle_weights))
+        quantized_names: list[str] = []
+        model.load_weights(attach_block_scales(
+            iter_weights(model_dir, allow_pickle=allow_pickle_weights), self.quantization,
+            dequantize=self.dequantize_weights, paired=quantized_names,
+        ))
         model.cast_to(self.dtype)
         self.model = model.eval()
         self.step_cost = model.step_cost()  # before packing: it counts parameters
         if self.device.type == "cpu" and self.model_packing_wanted():
             self.model.pack_weights()
         logger.info("loaded %s (%s, %s) in %.1fs", model_dir, self.dtype, self.device, time.perf_counter() - t0)
+        self._log_weights(model_dir, quantized_names, allow_pickle_weights)
         self.sampler = Sampler(torch.Generator().manual_seed(seed))
         self.kv: KVCacheManager | None = None
         self.host_cache: HostKVCache | None = None
@@ -94,6 +120,16 @@ class ModelRunner:
         # Debug/parity hook: when a dict, the logits of every computed position are appended
         # per request id (tests compare them to transformers).
         self.captured_logits: dict[str, list[torch.Tensor]] | None = None
+
+    def _log_weights(self, model_dir: str, quantized_names: list[str], allow_pickle: bool) -> None:
+        """Which tensors are kept FP8/FP4, which were expanded, and the resident weight memory."""
+        if self.quantization is not None:
+            logger.info("checkpoint quantization: %s", self.quantization.describe())
+        kept = {n for _, m in quantized_linears(self.model) for n in m.checkpoint_names}
+        expanded = [n for n in quantized_names if n not in kept]
+        files = sum(os.path.getsize(f) for f in weight_files(model_dir, allow_pickle=allow_pickle))
+        for line in describe_weights(weight_inventory(self.model), files, expanded, self.dequantize_weights):
+            logger.info("%s", line)
 
     @staticmethod
     def model_packing_wanted() -> bool:

@@ -9,6 +9,7 @@ from torch import nn
 from hybridkv.attention_backends.metadata import AttentionMetadata, StepSequences, build_attention_metadata
 from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
 from hybridkv.model_executor.layers import pack_linear_weights
+from hybridkv.model_executor.quantization import BlockQuantizedTensor, QuantizedWeightInstaller, quantized_weight_numel
 from hybridkv.model_executor.step_cost import StepCost, dense_step_cost
 
 if TYPE_CHECKING:  # the runner hands the manager in; models only read its spaces
@@ -89,7 +90,9 @@ class CausalLM(nn.Module):
         head = getattr(self, "lm_head", None)
         if isinstance(head, nn.Module):
             skip.update(id(p) for p in head.parameters())
-        return sum(p.numel() for p in self.parameters() if id(p) not in skip)
+        # Block-quantized linears keep their weight in buffers: count them at their logical size.
+        quantized = quantized_weight_numel(self, exclude=(head,) if isinstance(head, nn.Module) else ())
+        return sum(p.numel() for p in self.parameters() if id(p) not in skip) + quantized
 
     def step_cost(self) -> StepCost:
         """FLOPs of a forward as a function of tokens and positions (the scheduler sizes prefill
@@ -100,10 +103,10 @@ class CausalLM(nn.Module):
     def logits_params(self) -> int:
         """Size of the logits matrix (the head, or the tied embedding): vocab x hidden."""
         head = getattr(self, "lm_head", None)
-        mats = [p for m in self.modules() if isinstance(m, nn.Embedding) for p in m.parameters()]
+        sizes = [p.numel() for m in self.modules() if isinstance(m, nn.Embedding) for p in m.parameters()]
         if isinstance(head, nn.Module):
-            mats += list(head.parameters())
-        return max((p.numel() for p in mats), default=0)
+            sizes += [p.numel() for p in head.parameters()] + [quantized_weight_numel(head)]
+        return max(sizes, default=0)
 
     def cast_to(self, dtype: torch.dtype) -> None:
         """Cast to the model dtype. Only parameters: RoPE tables stay float32 and are cast per
@@ -124,12 +127,16 @@ def load_stacked_weights(
 ) -> None:
     """Copy checkpoint tensors into the model, fusing q/k/v and gate/up shards.
 
-    Raises ValueError naming every parameter the checkpoint did not provide and every
-    checkpoint tensor whose shape does not fit.
+    Block-quantized weights (BlockQuantizedTensor, see model_executor/quantization) of linear
+    layers stay compressed: the installer swaps those layers for QuantizedLinear at the end
+    (a fused layer keeps one quantized shard per checkpoint weight). Raises ValueError naming
+    every parameter the checkpoint did not provide and every checkpoint tensor whose shape
+    does not fit.
     """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     shard_offsets = _shard_offsets(model)
+    installer = QuantizedWeightInstaller(model)
     for hf_name, tensor in weights:
         name = rename(hf_name)
         if name is None:
@@ -142,17 +149,23 @@ def load_stacked_weights(
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {hf_name!r} does not belong to this model (no parameter {target!r})")
+        module_name, _, leaf = target.rpartition(".")
+        start, size = (0, param.shape[0]) if shard is None else shard_offsets[module_name][shard]
+        loaded_as = target if shard is None else f"{target}#{shard}"
+        if isinstance(tensor, BlockQuantizedTensor):
+            if leaf == "weight" and installer.keeps_compressed(module_name):
+                _check_shape(hf_name, (size,) + tuple(param.shape[1:]), tensor.shape)
+                installer.add(module_name, tensor, start)
+                loaded.add(loaded_as)
+                continue
+            tensor = tensor.dequantize(torch.float32)  # not a linear layer: it cannot stay compressed
+        elif leaf == "weight":
+            installer.note_dense(module_name, hf_name)
         with torch.no_grad():
-            if shard is None:
-                _check_shape(hf_name, param.shape, tensor.shape)
-                param.copy_(tensor)
-                loaded.add(target)
-            else:
-                start, size = shard_offsets[target.rsplit(".", 1)[0]][shard]
-                dst = param.narrow(0, start, size)
-                _check_shape(hf_name, dst.shape, tensor.shape)
-                dst.copy_(tensor)
-                loaded.add(f"{target}#{shard}")
+            dst = param if shard is None else param.narrow(0, start, size)
+            _check_shape(hf_name, dst.shape, tensor.shape)
+            dst.copy_(tensor)
+            loaded.add(loaded_as)
     missing = []
     for name in params:
         module = name.rsplit(".", 1)[0]
@@ -163,6 +176,7 @@ def load_stacked_weights(
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint is missing weights for: {shown}")
+    installer.finish()
 
 
 def _check_shape(name: str, want: torch.Size, got: torch.Size) -> None:

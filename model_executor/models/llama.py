@@ -25,6 +25,7 @@ from hybridkv.model_executor.layers import (
     pack_linear_weights,
 )
 from hybridkv.model_executor.models.base import CausalLM, load_stacked_weights
+from hybridkv.model_executor.quantization import QuantizedLinear
 
 
 class LlamaAttention(nn.Module):
@@ -159,12 +160,16 @@ class LlamaForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._packed_logits is not None:
             return self._packed_logits(hidden)
+        if isinstance(self.lm_head, QuantizedLinear):  # an FP8 checkpoint that quantized the head too
+            return self.lm_head(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return hidden @ weight.t()
 
     def pack_weights(self) -> None:
         """Prepack every projection (and the logits matrix) for the CPU's oneDNN kernels."""
         pack_linear_weights(self)
+        if isinstance(self.lm_head, QuantizedLinear):
+            return
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if packing_supported(weight):
             self._packed_logits = PackedLinearWeight(weight)

@@ -57,12 +57,14 @@ def attach_block_scales(
     weights: Iterable[tuple[str, torch.Tensor]],
     config: QuantizationConfig | None,
     dequantize: bool = False,
+    paired: list[str] | None = None,
 ) -> Iterator[tuple[str, CheckpointTensor]]:
     """Yield the checkpoint's tensors with each quantized weight paired with its scale.
 
     ``config`` None (config.json declares no quantization) passes dense tensors through and
     refuses any scale or quantized-dtype weight. ``dequantize`` yields the dense float32 weight
-    instead of the compressed one (the "expand once at load" option).
+    instead of the compressed one (the "expand once at load" option). ``paired``, if given,
+    collects the names of the quantized weights (for the startup log).
     """
     pending = _PendingPairs()
 
@@ -70,6 +72,8 @@ def attach_block_scales(
         weight_name, weight = pending.weights.pop(module)
         scale_name, scale = pending.scales.pop(module)
         quantized = block_quantized_from_checkpoint(weight_name, weight, scale_name, scale, config)
+        if paired is not None:
+            paired.append(weight_name)
         return weight_name, quantized.dequantize(torch.float32) if dequantize else quantized
 
     for name, tensor in weights:

@@ -22,6 +22,7 @@ from hybridkv.model_executor.models.deepseek_v4.config import CSA, HCA, SLIDING,
 from hybridkv.model_executor.models.deepseek_v4.indexer import Indexer
 from hybridkv.model_executor.models.deepseek_v4.norms import V4RMSNorm, rms_normalize
 from hybridkv.model_executor.models.deepseek_v4.rope import InterleavedRope
+from hybridkv.model_executor.quantization import QuantizedLinear
 
 
 @dataclass
@@ -113,6 +114,9 @@ class V4Attention(nn.Module):
         o = self.rope(o, positions, inverse=True)
         G = self.o_groups
         grouped = o.reshape(T, G, -1)  # heads are contiguous within a group
-        w = self.wo_a.weight.view(G, -1, grouped.shape[-1])  # [G, d_g, H*D/G]
-        u = torch.einsum("tgi,gri->tgr", grouped, w).reshape(T, -1)
+        if isinstance(self.wo_a, QuantizedLinear):  # block-quantized: each group's rows dequantized in tiles
+            u = self.wo_a.grouped_forward(grouped).reshape(T, -1)
+        else:
+            w = self.wo_a.weight.view(G, -1, grouped.shape[-1])  # [G, d_g, H*D/G]
+            u = torch.einsum("tgi,gri->tgr", grouped, w).reshape(T, -1)
         return self.wo_b(u)

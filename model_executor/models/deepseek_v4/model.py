@@ -25,6 +25,7 @@ from hybridkv.model_executor.models.deepseek_v4.moe import V4MoE
 from hybridkv.model_executor.models.deepseek_v4.norms import V4RMSNorm
 from hybridkv.model_executor.models.deepseek_v4.rope import InterleavedRope, inv_freq_from_params
 from hybridkv.model_executor.models.deepseek_v4.weights import load_v4_weights
+from hybridkv.model_executor.quantization import quantized_weight_numel
 from hybridkv.model_executor.step_cost import AttentionCost, StepCost
 
 STATE_DTYPE = torch.float32  # compressor raw rows: kept in float32 whatever the model dtype
@@ -97,6 +98,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         cfg = self.cfg
         routed = sum(p.numel() for layer in self.layers for name, p in layer.named_parameters()
                      if ".experts." in f".{name}")
+        routed += sum(quantized_weight_numel(layer.ffn.experts) for layer in self.layers)
         active = self.token_params() - routed + routed * cfg.num_experts_per_tok / max(1, cfg.n_routed_experts)
         per_key = 4.0 * cfg.num_heads * cfg.head_dim
         n_csa, n_hca = cfg.num_csa_layers, cfg.num_hca_layers

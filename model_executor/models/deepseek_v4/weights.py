@@ -5,7 +5,14 @@ Two namings are accepted (deepseek_v4.md §10):
     e.g. model.layers.0.attn.wq_a.weight, model.hc_head.hc_fn, head.weight;
   * the original release: no prefix, embed.weight, hc_head_fn / hc_head_base / hc_head_scale.
 Our module tree mirrors the original names, so only a few renames are needed. MTP layers
-(mtp.*) are not used and skipped. FP8 block-scaled release tensors are refused clearly.
+(mtp.*) are not used and skipped.
+
+Released checkpoints are block-quantized (FP8 projections, FP4 or FP8 routed experts, §10):
+model_executor/quantization pairs each `<name>.weight` with its `<name>.scale` (or HF's
+`weight_scale_inv`) before the tensors reach this loader, which keeps the linear layers'
+weights compressed (QuantizedLinear) and dequantizes any other quantized tensor into its
+parameter. A scale that reaches canonical_name unpaired means config.json declared no
+quantization, and is refused.
 """
 from __future__ import annotations
 
@@ -13,6 +20,8 @@ import re
 from typing import Iterable
 
 import torch
+
+from hybridkv.model_executor.quantization import BlockQuantizedTensor, QuantizedWeightInstaller
 
 _HC_LAYER = re.compile(r"^(layers\.\d+)\.hc_(attn|ffn)_(fn|base|scale)$")
 _HC_HEAD = re.compile(r"^hc_head_(fn|base|scale)$")
@@ -26,8 +35,9 @@ def canonical_name(name: str) -> str | None:
         return None
     if name.endswith(".scale") or name.endswith(".weight_scale_inv"):
         raise ValueError(
-            f"checkpoint tensor {name!r} is an FP8 block scale; hybridkv loads DeepSeek-V4 weights in "
-            "float32/bfloat16/float16 only, so dequantize the checkpoint first"
+            f"checkpoint tensor {name!r} is an FP8 block scale, but config.json declares no quantization_config, "
+            "so it cannot be paired with its weight; restore the checkpoint's quantization_config "
+            "(quant_method 'fp8', as DeepSeek ships it)"
         )
     if name == "embed.weight":
         return "embed_tokens.weight"
@@ -40,9 +50,12 @@ def canonical_name(name: str) -> str | None:
     return name
 
 
-def load_v4_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_v4_weights(
+    model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor | BlockQuantizedTensor]]
+) -> None:
     targets = model.state_dict(keep_vars=True)  # parameters + persistent buffers (tid2eid, router bias)
     loaded: set[str] = set()
+    installer = QuantizedWeightInstaller(model)
     for ckpt_name, tensor in weights:
         name = canonical_name(ckpt_name)
         if name is None:
@@ -54,10 +67,17 @@ def load_v4_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.T
             raise ValueError(
                 f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
             )
+        loaded.add(name)
+        if isinstance(tensor, BlockQuantizedTensor):
+            module_name, _, leaf = name.rpartition(".")
+            if leaf == "weight" and installer.keeps_compressed(module_name):
+                installer.add(module_name, tensor)
+                continue
+            tensor = tensor.dequantize(torch.float32)  # e.g. a router weight: not a linear layer
         with torch.no_grad():
             target.copy_(tensor.to(target.dtype))
-        loaded.add(name)
     missing = [n for n in targets if n not in loaded]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint is missing DeepSeek-V4 weights for: {shown}")
+    installer.finish()

@@ -3,6 +3,7 @@ comes back or evicts under maxmemory gives misses and dropped writes within the 
 never an exception, a hang, or another page's bytes."""
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -19,7 +20,8 @@ CALL_BOUND_S = SOCKET_TIMEOUT_S + CONNECT_TIMEOUT_S + 1.0
 
 
 def key(i: int) -> str:
-    return f"{i:064x}"
+    """A key of page_keys.storage_key's form: the hex chain, then the space."""
+    return f"{i:064x}-{SPACE}"
 
 
 def redis_backend(url: str, **overrides) -> RedisStorageBackend:
@@ -77,10 +79,11 @@ def test_a_corrupted_value_in_redis_decodes_to_a_miss(redis_server):
     assert stored is not None and page_record.decode(stored, FP, SPACE) is None, "a corrupted Redis value must decode to a miss"
 
 
-def test_killed_server_gives_bounded_misses_then_hits_after_restart(redis_server):
+def test_killed_server_gives_bounded_misses_then_hits_after_restart(redis_server, caplog):
     backend = redis_backend(redis_server.url, down_backoff_s=0.0)
     backend.put([key(1)], [b"before"])
     redis_server.kill()
+    caplog.set_level(logging.WARNING, logger="hybridkv.block_manager.storage")
     for call, expected, what in [
         (lambda: backend.exists([key(1)]), 0, "exists"),
         (lambda: backend.get([key(1), key(2)]), [None, None], "get"),
@@ -89,8 +92,11 @@ def test_killed_server_gives_bounded_misses_then_hits_after_restart(redis_server
         result, seconds = timed(call)
         assert result == expected, f"{what} against a killed server must be a miss / dropped write, got {result!r}"
         assert seconds < CALL_BOUND_S, f"{what} against a killed server took {seconds:.2f} s (bound {CALL_BOUND_S} s)"
+    for _ in range(50):
+        backend.get([key(1)])
     errors_while_down = backend.stats_snapshot().errors
-    assert errors_while_down >= 4, f"the failed calls must be counted as errors, got {errors_while_down}"
+    assert errors_while_down == 1 + 2 + 1 + 50, f"every failed key / call must be counted as an error, got {errors_while_down}"
+    assert len(caplog.records) == 1, f"a dead server must log a rate-limited warning, not {len(caplog.records)} lines"
 
     redis_server.start()  # same port, empty: no persistence
     assert backend.put([key(4)], [b"after"]) == 1, "after a restart the next put must reconnect and store"
@@ -99,19 +105,43 @@ def test_killed_server_gives_bounded_misses_then_hits_after_restart(redis_server
     assert backend.stats_snapshot().errors == errors_while_down, "calls after the restart must not count errors"
 
 
-def test_hung_server_is_bounded_by_the_timeout_and_backed_off(redis_server):
+def test_hung_server_calls_are_bounded_by_the_timeout(redis_server):
+    backend = redis_backend(redis_server.url, down_backoff_s=0.0)
+    backend.put([key(1)], [b"x" * 1000])
+    redis_server.pause()  # accepts connections (the kernel does), never answers
+    big = os.urandom(8 << 20)  # more than the socket buffers: the send itself must time out
+    try:
+        for call, expected, what in [
+            (lambda: backend.get([key(1)]), [None], "get"),
+            (lambda: backend.exists([key(1)]), 0, "exists"),
+            (lambda: backend.put([key(2), key(3)], [big, big]), 0, "put of 16 MB"),
+            (lambda: backend.get([key(1)]), [None], "get on a fresh connection"),
+        ]:
+            result, seconds = timed(call)
+            assert result == expected, f"{what} against a hung server must be a miss / dropped write, got {result!r}"
+            assert SOCKET_TIMEOUT_S * 0.8 <= seconds < CALL_BOUND_S, (
+                f"{what} against a hung server must end at the timeout, took {seconds:.2f} s (bound {CALL_BOUND_S} s)"
+            )
+    finally:
+        redis_server.resume()
+    assert backend.get([key(1)]) == [b"x" * 1000], "once the server answers again, reads hit"
+
+
+def test_after_a_timeout_calls_skip_the_server_for_down_backoff_s(redis_server, caplog):
     backend = redis_backend(redis_server.url, down_backoff_s=30.0)
     backend.put([key(1)], [b"x" * 1000])
-    redis_server.pause()  # accepts connections, never answers
-    result, seconds = timed(lambda: backend.get([key(1)]))
-    assert result == [None], "a get from a hung server must be a miss"
-    assert SOCKET_TIMEOUT_S * 0.8 <= seconds < CALL_BOUND_S, f"the hung get must end at the socket timeout, took {seconds:.2f} s"
-    for call in (lambda: backend.get([key(1)]), lambda: backend.put([key(2)], [b"y"]), lambda: backend.exists([key(1)])):
-        _, seconds = timed(call)
-        assert seconds < 0.1, f"within down_backoff_s calls must skip the hung server at once, took {seconds:.2f} s"
+    redis_server.pause()
+    try:
+        _, seconds = timed(lambda: backend.get([key(1)]))
+        assert seconds >= SOCKET_TIMEOUT_S * 0.8, "the first call pays the timeout"
+        for call in (lambda: backend.get([key(1)]), lambda: backend.put([key(2)], [b"y"]), lambda: backend.exists([key(1)])):
+            _, seconds = timed(call)
+            assert seconds < 0.1, f"within down_backoff_s calls must skip the hung server at once, took {seconds:.2f} s"
+    finally:
+        redis_server.resume()
     stats = backend.stats_snapshot()
     assert stats.skipped_calls == 3 and stats.errors == 1, f"skipped calls are counted apart from the one error: {stats}"
-    redis_server.resume()
+    assert stats.misses == 2 and stats.writes_dropped == 1, "skipped calls are misses and dropped writes"
 
 
 def test_server_down_at_startup_is_not_fatal(redis_server):

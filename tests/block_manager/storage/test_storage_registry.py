@@ -58,9 +58,11 @@ def test_misconfiguration_is_a_value_error_naming_the_choices(name, extra, messa
 
 def test_caller_misuse_raises_but_io_trouble_does_not(tmp_path):
     with make_backend("file", {"dir": str(tmp_path)}) as backend:
-        for bad_key in ("../etc/passwd", "ABCD", "a", "", "zz"):
+        for bad_key in ("../etc/passwd", "ab/../../x", "ABCD", "a", "", "zz", "ab" * 101, "ab cd", 17):
             with pytest.raises(ValueError):
                 backend.get([bad_key])
+        space_key = "ab" * 32 + "-full_attn.v1"  # page_keys.storage_key's form: hex chain, then the space
+        assert backend.put([space_key], [b"x"]) == 1 and backend.get([space_key]) == [b"x"], "hex-then-space keys work"
         with pytest.raises(ValueError):
             backend.put(["aa", "bb"], [b"x"])
         assert backend.get([]) == [] and backend.exists([]) == 0 and backend.put([], []) == 0, "empty batches are no-ops"

