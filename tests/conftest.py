@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from redis_server import redis_server, redis_server_factory  # noqa: F401 - fixtures (a real redis-server)
 from tiny_checkpoints import build_checkpoint
 
 

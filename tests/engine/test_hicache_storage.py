@@ -153,3 +153,66 @@ def test_prefetch_timeout_and_abort_release_their_reservations(tiny_ckpt, tmp_pa
     assert storage.num_outstanding == 0 and storage.stats.prefetches_aborted == 1
     storage.backend.get = slow_get
     _stored(llm)
+
+
+def _redis_llm(path: str, url: str, **kw) -> LLM:
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("max_model_len", 256)
+    return LLM(path, enable_hierarchical_cache=True, hicache_storage_backend="redis",
+               hicache_storage_backend_extra_config={"url": url, "socket_timeout": 0.5, "connect_timeout": 0.5},
+               hicache_storage_prefetch_policy="wait_complete", **kw)
+
+
+def test_second_llm_on_the_same_redis_gets_storage_hits(tiny_ckpt, redis_server):
+    path = tiny_ckpt("llama")
+    ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    prompt = _prompt(100, ref.engine.runner.config.vocab_size, seed=9)
+    want = run_one(ref, prompt, 10)
+    first = _redis_llm(path, redis_server.url)
+    _same(run_one(first, prompt, 10), want)
+    _stored(first)
+    second = _redis_llm(path, redis_server.url)
+    out = run_one(second, prompt, 10)
+    assert out.metrics["prompt_tokens_from_storage"] == 96, out.metrics
+    _same(out, want)
+
+
+def test_v4_prefix_from_redis_equals_no_cache(tmp_path_factory, redis_server):
+    with single_thread():
+        path = build_v4_checkpoint(str(tmp_path_factory.mktemp("v4rd")))
+        kw = dict(dtype="float32", block_size=32, max_model_len=256, max_num_seqs=2)
+        ref = LLM(path, enable_prefix_caching=False, **kw)
+        prompt = _prompt(100, ref.engine.runner.config.vocab_size, seed=10)
+        want = run_one(ref, prompt, 12)
+        first = _redis_llm(path, redis_server.url, **kw)
+        run_one(first, prompt, 1)
+        _stored(first)
+        second = _redis_llm(path, redis_server.url, **kw)
+        out = run_one(second, prompt, 12)
+        assert out.metrics["prompt_tokens_from_storage"] == 96, out.metrics
+        _same(out, want)
+
+
+def test_redis_killed_mid_run_gives_misses_then_hits_again(tiny_ckpt, redis_server):
+    """Redis dies: requests are served (misses, counted errors, bounded by the timeouts), outputs
+    unchanged; once it is back on the same port, new pages are stored and hit again."""
+    path = tiny_ckpt("llama")
+    ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    vocab = ref.engine.runner.config.vocab_size
+    llm = _redis_llm(path, redis_server.url)
+    redis_server.kill()
+    prompt = _prompt(100, vocab, seed=11)
+    t0 = time.monotonic()
+    _same(run_one(llm, prompt, 4), run_one(ref, prompt, 4))
+    _stored(llm)
+    assert time.monotonic() - t0 < 20, "a dead Redis stalled the engine"
+    assert llm.engine.storage.backend.stats.errors + llm.engine.storage.backend.stats.skipped_calls > 0
+    redis_server.start()
+    time.sleep(1.1)  # past the backend's down back-off
+    again = _prompt(100, vocab, seed=12)
+    run_one(llm, again, 1)
+    _stored(llm)
+    fresh = _redis_llm(path, redis_server.url)
+    out = run_one(fresh, again, 4)
+    assert out.metrics["prompt_tokens_from_storage"] == 96, "no hits after Redis came back"
+    _same(out, run_one(ref, again, 4))

@@ -1,0 +1,33 @@
+"""Two `hybridkv serve` instances sharing one Redis (HiCache L3): a prompt instance A served is a
+prefix hit on instance B (usage.prompt_tokens_details.cached_tokens > 0) with the same text."""
+from __future__ import annotations
+
+from server_harness import MODEL, launch
+
+PROMPT = "a shared store lets a fleet of servers reuse prefixes " * 3
+
+
+def test_instance_b_hits_what_instance_a_served(tiny_ckpt, redis_server):
+    kw = dict(enable_hierarchical_cache=True, hicache_storage_backend="redis",
+              hicache_storage_backend_extra_config={"url": redis_server.url},
+              hicache_storage_prefetch_policy="wait_complete", dtype="float32")
+    a = launch(tiny_ckpt("llama"), api_key=None, **kw)
+    try:
+        ca = a.client()
+        first = ca.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        a.engine.call_threadsafe(lambda e: e.storage.drain()).result(30)
+        ca.close()
+        a.engine.check_idle()
+    finally:
+        a.stop()
+    b = launch(tiny_ckpt("llama"), api_key=None, **kw)
+    try:
+        cb = b.client()
+        second = cb.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+        assert second.usage.prompt_tokens_details.cached_tokens > 0, second.usage
+        assert second.choices[0].text == first.choices[0].text
+        cb.close()
+        b.engine.check_idle()
+    finally:
+        b.stop()
