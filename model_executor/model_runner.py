@@ -23,7 +23,7 @@ from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
 from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
 from hybridkv.model_executor.checkpoint import iter_weights, load_config, resolve_dtype, weight_files
 from hybridkv.model_executor.quantization import (
-    attach_block_scales, describe_weights, quantization_config_of, quantized_linears, weight_inventory,
+    attach_block_scales, checkpoint_bytes, describe_weights, quantization_config_of, weight_inventory,
 )
 from hybridkv.model_executor.models.base import CausalLM
 from hybridkv.model_executor.models.registry import resolve_model_class
@@ -125,10 +125,9 @@ class ModelRunner:
         """Which tensors are kept FP8/FP4, which were expanded, and the resident weight memory."""
         if self.quantization is not None:
             logger.info("checkpoint quantization: %s", self.quantization.describe())
-        kept = {n for _, m in quantized_linears(self.model) for n in m.checkpoint_names}
-        expanded = [n for n in quantized_names if n not in kept]
-        files = sum(os.path.getsize(f) for f in weight_files(model_dir, allow_pickle=allow_pickle))
-        for line in describe_weights(weight_inventory(self.model), files, expanded, self.dequantize_weights):
+        expanded = quantized_names if self.dequantize_weights else None
+        files = checkpoint_bytes(weight_files(model_dir, allow_pickle=allow_pickle))
+        for line in describe_weights(weight_inventory(self.model), files, expanded):
             logger.info("%s", line)
 
     @staticmethod

@@ -158,7 +158,8 @@ def load_stacked_weights(
                 installer.add(module_name, tensor, start)
                 loaded.add(loaded_as)
                 continue
-            tensor = tensor.dequantize(torch.float32)  # not a linear layer: it cannot stay compressed
+            installer.note_dequantized(hf_name)  # not a linear layer: it cannot stay compressed
+            tensor = tensor.dequantize(torch.float32)
         elif leaf == "weight":
             installer.note_dense(module_name, hf_name)
         with torch.no_grad():

@@ -13,7 +13,9 @@ from hybridkv.model_executor.quantization.config import QuantizationConfig, pars
 from hybridkv.model_executor.quantization.install import QuantizedWeightInstaller
 from hybridkv.model_executor.quantization.linear import QuantizedLinear, quantized_linears, quantized_weight_numel
 from hybridkv.model_executor.quantization.pairing import attach_block_scales
-from hybridkv.model_executor.quantization.summary import describe_weights, weight_inventory, weight_memory_bytes
+from hybridkv.model_executor.quantization.summary import (
+    checkpoint_bytes, describe_weights, weight_inventory, weight_memory_bytes,
+)
 from hybridkv.model_executor.quantization.tensor import BlockQuantizedTensor, block_quantized_from_checkpoint
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "QuantizedWeightInstaller",
     "attach_block_scales",
     "block_quantized_from_checkpoint",
+    "checkpoint_bytes",
     "describe_weights",
     "parse_quantization_config",
     "quantization_config_of",

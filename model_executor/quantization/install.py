@@ -7,17 +7,21 @@ load is over, `finish` swaps each of those nn.Linear modules for a QuantizedLine
 compressed shards, and the dense weight it replaces is freed.
 
 A quantized weight whose target is not an nn.Linear (an embedding, a router stored as a bare
-parameter) cannot stay compressed: the loader dequantizes it into the parameter (the startup
-log lists those: quantized in the checkpoint, not a QuantizedLinear in the model).
+parameter) cannot stay compressed: the loader dequantizes it into the parameter and tells the
+installer, which logs them once the load is over.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from hybridkv.model_executor.quantization.linear import QuantizedLinear
+from hybridkv.model_executor.quantization.summary import name_patterns
 from hybridkv.model_executor.quantization.tensor import BlockQuantizedTensor
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -25,6 +29,7 @@ class QuantizedWeightInstaller:
     model: nn.Module
     pending: dict[str, list[tuple[int, BlockQuantizedTensor]]] = field(default_factory=dict)
     dense: dict[str, str] = field(default_factory=dict)  # linear module -> a checkpoint name loaded dense into it
+    dequantized: list[str] = field(default_factory=list)  # quantized checkpoint tensors expanded into parameters
 
     def keeps_compressed(self, module_name: str) -> bool:
         """Whether the weight of `module_name` can stay quantized (it is an nn.Linear's)."""
@@ -44,6 +49,10 @@ class QuantizedWeightInstaller:
             raise self._mixed(module_name, self.pending[module_name][0][1].name, checkpoint_name)
         self.dense.setdefault(module_name, checkpoint_name)
 
+    def note_dequantized(self, checkpoint_name: str) -> None:
+        """A quantized checkpoint tensor whose target is not a linear layer was expanded into it."""
+        self.dequantized.append(checkpoint_name)
+
     @staticmethod
     def _mixed(module_name: str, quantized: str, dense: str) -> ValueError:
         return ValueError(
@@ -61,4 +70,7 @@ class QuantizedWeightInstaller:
             setattr(parent, leaf, quantized)
         names = list(self.pending)
         self.pending = {}
+        if self.dequantized:
+            logger.info("%d block-quantized tensor(s) are not linear-layer weights and were dequantized at load: %s",
+                        len(self.dequantized), name_patterns(self.dequantized))
         return names

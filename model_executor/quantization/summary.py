@@ -25,7 +25,8 @@ def name_pattern(name: str) -> str:
     return _INDEX.sub("*", name)
 
 
-def _patterns(names: list[str]) -> str:
+def name_patterns(names: list[str]) -> str:
+    """Names summarised by pattern with counts: ``layers.*.attn.wq_a (x43), head``."""
     counts = Counter(name_pattern(n) for n in names)
     return ", ".join(f"{p} (x{c})" if c > 1 else p for p, c in sorted(counts.items()))
 
@@ -84,17 +85,16 @@ def _gib(n: int) -> str:
 
 def describe_weights(
     inv: WeightInventory, file_bytes: int | None = None, dequantized_at_load: list[str] | None = None,
-    expanded_all: bool = False,
 ) -> list[str]:
-    """Log lines: one per quantized format (with its tensors), then the dense tensors and totals."""
+    """Log lines: one per quantized format kept (with its tensors), the quantized checkpoint
+    tensors expanded at load on request, then the dense tensors and the totals."""
     lines = []
     for fmt, modules in sorted(inv.quantized.items()):
         lines.append(f"weights kept {fmt}: {len(modules)} linear layer(s), {_gib(inv.quantized_bytes.get(fmt, 0))}: "
-                     f"{_patterns(modules)}")
+                     f"{name_patterns(modules)}")
     if dequantized_at_load:
-        why = "dequantize requested" if expanded_all else "not linear layers"
-        lines.append(f"weights dequantized at load ({why}): {len(dequantized_at_load)} tensor(s): "
-                     f"{_patterns(dequantized_at_load)}")
+        lines.append(f"block-quantized weights dequantized at load (requested): {len(dequantized_at_load)} "
+                     f"tensor(s): {name_patterns(dequantized_at_load)}")
     dense = ", ".join(f"{str(d).removeprefix('torch.')} {_gib(b)}" for d, b in sorted(inv.dense_bytes.items(), key=str))
     total = f"weight memory {_gib(inv.total_bytes)}"
     if file_bytes:

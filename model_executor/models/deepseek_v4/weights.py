@@ -73,7 +73,8 @@ def load_v4_weights(
             if leaf == "weight" and installer.keeps_compressed(module_name):
                 installer.add(module_name, tensor)
                 continue
-            tensor = tensor.dequantize(torch.float32)  # e.g. a router weight: not a linear layer
+            installer.note_dequantized(ckpt_name)  # e.g. a router weight: not a linear layer
+            tensor = tensor.dequantize(torch.float32)
         with torch.no_grad():
             target.copy_(tensor.to(target.dtype))
     missing = [n for n in targets if n not in loaded]

@@ -27,6 +27,15 @@ def test_instance_b_hits_what_instance_a_served(tiny_ckpt, redis_server):
         second = cb.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
         assert second.usage.prompt_tokens_details.cached_tokens > 0, second.usage
         assert second.choices[0].text == first.choices[0].text
+        status, _, raw = b.request("GET", "/metrics", auth=False)
+        metrics = {}
+        for line in raw.decode().splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                metrics[name.split("{")[0]] = metrics.get(name.split("{")[0], 0.0) + float(value)
+        assert metrics["hybridkv:storage_prefetch_pages_total"] > 0, "storage metrics did not move"
+        assert metrics["hybridkv:storage_prefetch_outstanding"] == 0, "a prefetch reservation leaked"
+        assert metrics["hybridkv:storage_hits_total"] > 0
         cb.close()
         b.engine.check_idle()
     finally:
