@@ -22,6 +22,7 @@ from hybridkv.model_executor.host_kv_cache import HostKVCache
 from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
 from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
 from hybridkv.model_executor.checkpoint import iter_weights, load_config, resolve_dtype, weight_files
+from hybridkv.model_executor.init_modes import SkipRandomInit
 from hybridkv.model_executor.quantization import (
     attach_block_scales, checkpoint_bytes, describe_weights, quantization_config_of, weight_inventory,
 )
@@ -95,7 +96,7 @@ class ModelRunner:
         self.backend = get_attention_backend(attention_backend)
         cls = resolve_model_class(self.config)
         t0 = time.perf_counter()
-        with self.device:
+        with self.device, SkipRandomInit():  # every weight comes from the checkpoint
             model: CausalLM = cls(self.config, max_positions=max_model_len)
         quantized_names: list[str] = []
         model.load_weights(attach_block_scales(

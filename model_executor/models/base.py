@@ -150,11 +150,12 @@ def load_stacked_weights(
         if param is None:
             raise ValueError(f"checkpoint tensor {hf_name!r} does not belong to this model (no parameter {target!r})")
         module_name, _, leaf = target.rpartition(".")
-        start, size = (0, param.shape[0]) if shard is None else shard_offsets[module_name][shard]
+        start, size = (0, None) if shard is None else shard_offsets[module_name][shard]
         loaded_as = target if shard is None else f"{target}#{shard}"
         if isinstance(tensor, BlockQuantizedTensor):
             if leaf == "weight" and installer.keeps_compressed(module_name):
-                _check_shape(hf_name, (size,) + tuple(param.shape[1:]), tensor.shape)
+                rows = param.shape[0] if size is None else size
+                _check_shape(hf_name, (rows,) + tuple(param.shape[1:]), tensor.shape)
                 installer.add(module_name, tensor, start)
                 loaded.add(loaded_as)
                 continue

@@ -31,17 +31,19 @@ class RowShard:
     names: tuple[str, ...]  # checkpoint weights merged into this shard
     codec: str
     block: tuple[int, int]
+    scale_format: str
 
 
 def _mergeable(a: BlockQuantizedTensor, b: BlockQuantizedTensor) -> bool:
     """b's scale grid continues a's exactly: same format, and a ends on a block-row boundary."""
     return (a.codec == b.codec and a.block == b.block and a.scales.dtype == b.scales.dtype
-            and a.shape[1] == b.shape[1] and a.shape[0] % a.block[0] == 0)
+            and a.scale_format == b.scale_format and a.shape[1] == b.shape[1] and a.shape[0] % a.block[0] == 0)
 
 
 def _merge(a: BlockQuantizedTensor, b: BlockQuantizedTensor) -> BlockQuantizedTensor:
     return BlockQuantizedTensor(
-        f"{a.name}+{b.name}", a.codec, torch.cat((a.codes, b.codes)), torch.cat((a.scales, b.scales)), a.block
+        f"{a.name}+{b.name}", a.codec, torch.cat((a.codes, b.codes)), torch.cat((a.scales, b.scales)), a.block,
+        a.scale_format,
     )
 
 
@@ -78,7 +80,8 @@ class QuantizedLinear(nn.Module):
         for i, (start, tensor, names) in enumerate(merged):
             self.register_buffer(f"codes_{i}", tensor.codes)
             self.register_buffer(f"scales_{i}", tensor.scales)
-            self.layout.append(RowShard(start, start + tensor.shape[0], names, tensor.codec, tensor.block))
+            self.layout.append(RowShard(start, start + tensor.shape[0], names, tensor.codec, tensor.block,
+                                        tensor.scale_format))
         self._names = [t.name for _, t, _ in merged]
 
     @classmethod
@@ -92,7 +95,7 @@ class QuantizedLinear(nn.Module):
         """The row shards with their tensors (rebuilt from the buffers, which `.to()` may replace)."""
         for i, shard in enumerate(self.layout):
             codes, scales = getattr(self, f"codes_{i}"), getattr(self, f"scales_{i}")
-            yield shard, BlockQuantizedTensor(self._names[i], shard.codec, codes, scales, shard.block)
+            yield shard, BlockQuantizedTensor(self._names[i], shard.codec, codes, scales, shard.block, shard.scale_format)
 
     @property
     def weight_numel(self) -> int:

@@ -88,7 +88,7 @@ def attach_block_scales(
             if owner in pending.weights:
                 yield pair(owner)
             continue
-        if name.endswith(WEIGHT_SUFFIX) and is_quantized_dtype(tensor.dtype):
+        if name.endswith(WEIGHT_SUFFIX) and is_quantized_dtype(tensor.dtype, config is not None):
             module = name[: -len(WEIGHT_SUFFIX)]
             if config is None:
                 raise ValueError(

@@ -8,8 +8,10 @@ Two layouts, both ``value[r, c] = decode(code[r, c]) * scale[r // block_rows, c 
   MXFP4   e2m1 codes packed two per byte [N, K/2] (int8, uint8 or float4_e2m1fn_x2 on disk),
           one ue8m0 scale per 32 values along K: scale grid [N, K/32], block (1, 32).
 
-Scales are kept as they come, so memory stays the file's: ue8m0 as its exponent bytes (uint8),
-float scales as float32 (one per 16,384 weights, so their width does not matter).
+Scales: MXFP4's (one per 32 values) stay the ue8m0 exponent bytes they are on disk, so memory
+stays the file's; FP8's (one per 16,384 values, so their width does not matter) are decoded
+once at load to float32 and pre-multiplied by the codec's decode factor, which saves the
+per-tile work of decoding them on every matmul.
 """
 from __future__ import annotations
 
@@ -27,12 +29,15 @@ _FP4_STORAGE = tuple(
 )
 _FLOAT_SCALES = (torch.float32, torch.bfloat16, torch.float16)
 _E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", None)
-QUANTIZED_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2) + _FP4_STORAGE
+_INTEGER_STORAGE = (torch.int8, torch.uint8)
 
 
-def is_quantized_dtype(dtype: torch.dtype) -> bool:
-    """Whether a `.weight` of this dtype only makes sense together with a block scale."""
-    return dtype in QUANTIZED_WEIGHT_DTYPES or "float8" in str(dtype) or "float4" in str(dtype)
+def is_quantized_dtype(dtype: torch.dtype, quantized_checkpoint: bool) -> bool:
+    """Whether a `.weight` of this dtype only makes sense together with a block scale: any
+    float8 / float4 dtype, and in a checkpoint that declares quantization also int8 / uint8
+    (how packed FP4 is stored). An unquantized checkpoint's int8 weight loads as before."""
+    name = str(dtype)
+    return "float8" in name or "float4" in name or (quantized_checkpoint and dtype in _INTEGER_STORAGE)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -46,8 +51,11 @@ class BlockQuantizedTensor:
     name: str  # the checkpoint name of the weight, for messages and the startup log
     codec: str  # E4M3 or E2M1
     codes: torch.Tensor  # E4M3: int8 [rows, cols]; E2M1: uint8 [rows, cols // 2]
-    scales: torch.Tensor  # float32, or uint8 ue8m0 exponents; [cdiv(rows, br), cdiv(cols, bc)]
+    # [cdiv(rows, br), cdiv(cols, bc)]: uint8 ue8m0 exponents (MXFP4), or float32 already
+    # multiplied by the codec's decode factor (so decode_rows(...) * scale is the value)
+    scales: torch.Tensor
     block: tuple[int, int]  # (rows, cols) covered by one scale
+    scale_format: str = "float32"  # how the checkpoint stored the scales: "ue8m0" or "float32"
 
     @property
     def shape(self) -> torch.Size:
@@ -64,37 +72,32 @@ class BlockQuantizedTensor:
         return self.codes.nbytes + self.scales.nbytes
 
     @property
-    def device(self) -> torch.device:
-        return self.codes.device
-
-    @property
-    def scales_are_e8m0(self) -> bool:
-        """Power-of-two scales: multiplying by them is exact in any float dtype."""
-        return self.scales.dtype == torch.uint8
-
-    @property
     def format_name(self) -> str:
-        scales = "ue8m0" if self.scales_are_e8m0 else "float32"
         if self.codec == E2M1:
-            return f"MXFP4 e2m1 (1x{self.block[1]} groups, {scales} scales)"
-        return f"FP8 e4m3 ({self.block[0]}x{self.block[1]} blocks, {scales} scales)"
+            return f"MXFP4 e2m1 (1x{self.block[1]} groups, {self.scale_format} scales)"
+        return f"FP8 e4m3 ({self.block[0]}x{self.block[1]} blocks, {self.scale_format} scales)"
 
     def to(self, device: torch.device | str) -> "BlockQuantizedTensor":
-        return BlockQuantizedTensor(self.name, self.codec, self.codes.to(device), self.scales.to(device), self.block)
+        return BlockQuantizedTensor(self.name, self.codec, self.codes.to(device), self.scales.to(device), self.block,
+                                    self.scale_format)
 
     # -- decoding ------------------------------------------------------------------------------
     def block_scales(self, row_blocks: slice = slice(None)) -> torch.Tensor:
-        """float32 scales of the given rows of the scale grid, times the codec's decode factor
-        (decode_e4m3 yields value / 2^8), so ``decode(codes) * block_scales`` is the value."""
+        """float32 scales of the given rows of the scale grid, such that
+        ``decode_rows(...) * block_scales`` is the value (the decode factor included)."""
         raw = self.scales[row_blocks]
-        scales = decode_e8m0(raw) if self.scales_are_e8m0 else raw.float()
-        return scales * E4M3_DECODE_FACTOR if self.codec == E4M3 else scales
+        return decode_e8m0(raw) if raw.dtype == torch.uint8 else raw
 
-    def decode_rows(self, start: int, stop: int) -> torch.Tensor:
+    def decode_scratch(self, rows: int) -> torch.Tensor:
+        """Integer scratch for decode_rows of up to `rows` rows (reused across a matmul's tiles)."""
+        dtype = torch.int16 if self.codec == E4M3 else torch.int32
+        return torch.empty(rows, self.codes.shape[1], dtype=dtype, device=self.codes.device)
+
+    def decode_rows(self, start: int, stop: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [start, stop) decoded to float16 *without* scales (E4M3: value / 2^8)."""
         if self.codec == E4M3:
-            return decode_e4m3(self.codes[start:stop])
-        return decode_e2m1(self.codes[start:stop])
+            return decode_e4m3(self.codes[start:stop], scratch)
+        return decode_e2m1(self.codes[start:stop], scratch)
 
     def row_scales(self, start: int, stop: int) -> torch.Tensor:
         """float32 [stop - start, column blocks]: the block scales of each row in [start, stop)."""
@@ -123,9 +126,13 @@ def apply_column_scales_(tile: torch.Tensor, scales: torch.Tensor, block_cols: i
     return tile
 
 
-def column_scales(scales: torch.Tensor, block_cols: int, cols: int) -> torch.Tensor:
-    """One row of block scales [cdiv(K, block_cols)] expanded to [K]."""
-    return scales.repeat_interleave(block_cols)[:cols]
+def scale_columns(x: torch.Tensor, scales: torch.Tensor, block_cols: int) -> torch.Tensor:
+    """x [T, K] * one row of block scales [1, cdiv(K, block_cols)] expanded along K (a new tensor)."""
+    tokens, cols = x.shape
+    scales = scales.to(x.dtype)
+    if cols % block_cols == 0:
+        return (x.view(tokens, cols // block_cols, block_cols) * scales.view(1, -1, 1)).view(tokens, cols)
+    return x * scales.view(-1).repeat_interleave(block_cols)[:cols]
 
 
 # -- building from a checkpoint pair ---------------------------------------------------------------
@@ -149,22 +156,28 @@ def _codec_and_codes(name: str, weight: torch.Tensor, config: QuantizationConfig
     )
 
 
-def _scale_storage(scale_name: str, scale: torch.Tensor) -> torch.Tensor:
+def _scale_storage(scale_name: str, scale: torch.Tensor, codec: str) -> tuple[torch.Tensor, str]:
+    """(scales as kept in memory, the checkpoint's scale format); see the module docstring."""
     if _E8M0_DTYPE is not None and scale.dtype == _E8M0_DTYPE:
         scale = scale.view(torch.uint8)
     if scale.dtype == torch.uint8:  # ue8m0 exponent bytes (how MX checkpoints without the dtype store them)
         if bool((scale == E8M0_NAN).any()):
             raise ValueError(f"block scale {scale_name!r} holds the ue8m0 NaN code 0xFF; the checkpoint is corrupt")
-        return scale.contiguous()
-    if scale.dtype in _FLOAT_SCALES:
-        scale = scale.float().contiguous()
-        if not bool(torch.isfinite(scale).all()):
-            raise ValueError(f"block scale {scale_name!r} holds NaN or infinite values; the checkpoint is corrupt")
-        return scale
-    raise ValueError(
-        f"block scale {scale_name!r} is stored as {scale.dtype}; expected float32/bfloat16/float16 scales or "
-        "ue8m0 exponents (float8_e8m0fnu or uint8)"
-    )
+        if codec == E2M1:
+            return scale.clone(memory_format=torch.contiguous_format), "ue8m0"
+        values, fmt = decode_e8m0(scale), "ue8m0"
+    elif scale.dtype in _FLOAT_SCALES:
+        values, fmt = scale.float(), "float32"
+    else:
+        raise ValueError(
+            f"block scale {scale_name!r} is stored as {scale.dtype}; expected float32/bfloat16/float16 scales or "
+            "ue8m0 exponents (float8_e8m0fnu or uint8)"
+        )
+    if codec == E4M3:
+        values = values * E4M3_DECODE_FACTOR
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError(f"block scale {scale_name!r} holds NaN, infinite or out-of-range values; the checkpoint is corrupt")
+    return values.clone(memory_format=torch.contiguous_format), fmt
 
 
 def block_quantized_from_checkpoint(
@@ -180,7 +193,9 @@ def block_quantized_from_checkpoint(
             f"{tuple(weight.shape)}; hybridkv loads 2-D block-quantized weights (one per linear layer)"
         )
     codec, codes = _codec_and_codes(weight_name, weight, config)
-    codes = codes.contiguous()
+    # A copy: safetensors hands out views of its memory-mapped file, and a kept view would keep
+    # the whole file mapped (its dense tensors' pages too) for as long as the model lives.
+    codes = codes.clone(memory_format=torch.contiguous_format)
     block = (1, MXFP4_GROUP_SIZE) if codec == E2M1 else config.weight_block
     rows, stored = codes.shape
     cols = stored * 2 if codec == E2M1 else stored
@@ -196,4 +211,5 @@ def block_quantized_from_checkpoint(
         bad = e4m3_nan_count(codes)
         if bad:
             raise ValueError(f"checkpoint tensor {weight_name!r} holds {bad} FP8 NaN code(s); the checkpoint is corrupt")
-    return BlockQuantizedTensor(weight_name, codec, codes, _scale_storage(scale_name, scale), block)
+    scales, scale_format = _scale_storage(scale_name, scale, codec)
+    return BlockQuantizedTensor(weight_name, codec, codes, scales, block, scale_format)

@@ -166,7 +166,8 @@ def test_release_v4_logits_equal_transformers_on_dequantized_weights(v4_release,
 
 def test_dequantize_at_load_computes_the_same_model(v4_release, monkeypatch):
     """HYBRIDKV_DEQUANTIZE_WEIGHTS=1 expands every weight once at load (plain nn.Linear, no
-    QuantizedLinear left) and gives the logits of the compressed model."""
+    QuantizedLinear left) and gives the logits of the compressed model; the scheduler's cost
+    model counts the compressed weights (buffers, not parameters) the same."""
     path = v4_release("fp4", "original")
     prompt = _prompt(40, 300, seed=2)
     compressed = LLM(path, dtype="float32", max_model_len=128, max_num_seqs=1)
@@ -176,12 +177,13 @@ def test_dequantize_at_load_computes_the_same_model(v4_release, monkeypatch):
     assert not list(quantized_linears(expanded.engine.runner.model))
     got, _ = _engine_logits(expanded, prompt, max_tokens=3)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert compressed.engine.runner.step_cost == expanded.engine.runner.step_cost
 
 
 def test_resident_weight_memory_is_the_checkpoint_size(v4_release, caplog):
     """Loaded in the checkpoint's dtype (bfloat16), the model holds its weights in about the
-    bytes the files take; dequantized at load it takes several times more. The startup log
-    names the FP8 / FP4 tensors and the weight memory."""
+    bytes the checkpoint's tensors take. The startup log names the FP8 / FP4 tensors and the
+    weight memory."""
     path = v4_release("fp4", "original")
     files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
     file_bytes = sum(os.path.getsize(f) for f in files)
@@ -192,7 +194,8 @@ def test_resident_weight_memory_is_the_checkpoint_size(v4_release, caplog):
     assert runner.dtype == torch.bfloat16
     resident = weight_memory_bytes(runner.model)
     print(f"\nresident {resident} B, checkpoint tensors {tensor_bytes} B (excl. MTP), files {file_bytes} B")
-    # int32 tid2eid is held as int64: the only growth.
+    # The only growth: tid2eid (int32 on disk) is held as int64, FP8 block scales (one per
+    # 16,384 weights) as float32 instead of ue8m0 bytes.
     assert tensor_bytes <= resident <= 1.02 * tensor_bytes
     assert resident <= file_bytes
     text = caplog.text
@@ -204,6 +207,8 @@ def test_resident_weight_memory_is_the_checkpoint_size(v4_release, caplog):
 
 
 def test_dequantized_memory_is_larger(v4_release, monkeypatch):
+    """Dequantized at load, the same bfloat16 model holds its FP8 weights at 2 bytes and its
+    FP4 experts at 2 bytes instead of 1 and 0.5 (plus scales)."""
     path = v4_release("fp4", "original")
     compressed = weight_memory_bytes(LLM(path, max_model_len=128, max_num_seqs=1).engine.runner.model)
     monkeypatch.setenv("HYBRIDKV_DEQUANTIZE_WEIGHTS", "1")
@@ -327,4 +332,16 @@ def test_fp8_nan_codes_are_refused(fp8_dense, tmp_path):
 
     path = _rewrite(fp8_dense("qwen3"), str(tmp_path / "c"), edit_tensors=edit)
     with pytest.raises(ValueError, match=rf"'{Q_PROJ}.weight' holds 1 FP8 NaN code"):
+        LLM(path, dtype="float32", max_model_len=64)
+
+
+def test_fused_projection_with_mixed_formats_is_refused(fp8_dense, tmp_path):
+    """q_proj FP8 but k_proj dense: qkv_proj cannot be half compressed."""
+    def edit(t):
+        k = "model.layers.0.self_attn.k_proj"
+        t[k + ".weight"] = t[k + ".weight"].float() * t.pop(k + ".weight_scale_inv")[0, 0]
+
+    path = _rewrite(fp8_dense("qwen3"), str(tmp_path / "c"), edit_tensors=edit)
+    with pytest.raises(ValueError, match=r"'layers.0.self_attn.qkv_proj' is fused from checkpoint weights stored in "
+                                         r"different formats"):
         LLM(path, dtype="float32", max_model_len=64)
