@@ -23,6 +23,9 @@ class EngineConfig:
     target_step_seconds: float | None = None
     allow_pickle_weights: bool = False
     attention_backend: str = "torch_native"  # hybridkv.attention_backends.registry names
+    # FP8/FP4 checkpoints: None keeps weights compressed (dequantized tile by tile in the matmul;
+    # memory ~ file size), True dequantizes once at load (faster on CPU, 2-4x the memory).
+    dequantize_weights: bool | None = None
     chat_template: str | None = None
     scheduling_policy: str = "fcfs"  # fcfs | lpm | dfs-weight (engine/scheduling_policy.py)
     eviction_policy: str = "lru"  # lru | lfu | slru | priority (block_manager/eviction_policy.py)

@@ -109,7 +109,7 @@ class LLMEngine:
         self.model_dir = model_dir
         self.runner = ModelRunner(
             model_dir, config.dtype, config.max_model_len, config.seed, config.allow_pickle_weights,
-            attention_backend=config.attention_backend,
+            attention_backend=config.attention_backend, dequantize_weights=config.dequantize_weights,
         )
         self.max_model_len = self.runner.max_model_len
         self.tokenizer = load_tokenizer(model_dir)

@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(--no-windowed-match: the baseline that drops such a prefix)")
     p.add_argument("--attention-backend", default=DEFAULT_ATTENTION_BACKEND,
                    help=f"attention backend by registry name (default: {DEFAULT_ATTENTION_BACKEND})")
+    p.add_argument("--dequantize-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="FP8/FP4 checkpoints: dequantize once at load (faster, 2-4x the memory) instead of "
+                        "keeping weights compressed (default: compressed)")
     h = p.add_argument_group("hierarchical cache (HiCache L2: host memory under the device KV cache)")
     h.add_argument("--enable-hierarchical-cache", action="store_true",
                    help="keep pages the device evicts in host memory and load them back on a prefix hit")
@@ -118,6 +121,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         hicache_storage_backend_extra_config=args.hicache_storage_backend_extra_config,
         hicache_storage_dir=args.hicache_storage_dir,
         hicache_storage_prefetch_policy=args.hicache_storage_prefetch_policy,
+        dequantize_weights=args.dequantize_weights,
     )
     if _engine_accepts("attention_backend"):
         kwargs["attention_backend"] = args.attention_backend

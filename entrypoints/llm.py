@@ -61,6 +61,7 @@ class LLM:
         hicache_storage_backend_extra_config: str | dict | None = None,
         hicache_storage_dir: str | None = None,
         hicache_storage_prefetch_policy: str = "timeout",
+        dequantize_weights: bool | None = None,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -91,6 +92,7 @@ class LLM:
                 hicache_storage_backend_extra_config=hicache_storage_backend_extra_config,
                 hicache_storage_dir=hicache_storage_dir,
                 hicache_storage_prefetch_policy=hicache_storage_prefetch_policy,
+                dequantize_weights=dequantize_weights,
             )
         )
 

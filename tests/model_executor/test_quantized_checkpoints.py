@@ -177,6 +177,9 @@ def test_dequantize_at_load_computes_the_same_model(v4_release, monkeypatch):
     assert not list(quantized_linears(expanded.engine.runner.model))
     got, _ = _engine_logits(expanded, prompt, max_tokens=3)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    monkeypatch.delenv("HYBRIDKV_DEQUANTIZE_WEIGHTS")
+    by_option = LLM(path, dtype="float32", max_model_len=128, max_num_seqs=1, dequantize_weights=True)
+    assert not list(quantized_linears(by_option.engine.runner.model)), "LLM(dequantize_weights=True) kept codes"
     assert compressed.engine.runner.step_cost == expanded.engine.runner.step_cost
 
 
