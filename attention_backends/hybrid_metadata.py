@@ -18,8 +18,10 @@ so the pools can be allocated uninitialised:
     new), the state slots of the rows it pools and the slots its entry is written to,
   * query blocks: groups of queries with the SWA keys and the causal compressed entries
     each may read. Decode queries are batched in padded blocks (per-query key lists);
-    prefill chunks are split into row blocks sharing one key list plus a mask, so memory
-    stays bounded for long chunks.
+    prefill chunks are split into row blocks sharing one key list, so memory stays bounded
+    for long chunks. Compressed entries carry a per-query visible count (a causal prefix),
+    never a [rows, entries] mask: the backend scores them in key blocks and builds only the
+    mask of the key block at hand.
 """
 from __future__ import annotations
 
@@ -56,10 +58,22 @@ class HybridLayout:
 
 @dataclass
 class KeySet:
-    """Keys a block of n queries may read: slots [L] (shared) or [n, L] (per query), mask [n, L]."""
+    """Keys a block of n queries may read: slots [L] (shared) or [n, L] (per query).
+
+    Which of them each query may read is either an explicit mask [n, L] (the sliding window) or,
+    for compressed entries, a causal prefix: query i reads columns [0, visible[i]). The prefix
+    form is what keeps a long prefill's metadata O(rows) per block instead of O(rows x entries)
+    (a 4096-token chunk at 128k context would otherwise hold ~256 MB of entry masks); masks are
+    built only for the column range a consumer is working on (`column_mask`).
+    """
 
     slots: torch.Tensor
-    mask: torch.Tensor
+    explicit_mask: torch.Tensor | None = None  # [n, L]
+    visible: torch.Tensor | None = None  # [n] long: entries [0, visible[i]) are readable by query i
+
+    def __post_init__(self) -> None:
+        if (self.explicit_mask is None) == (self.visible is None):
+            raise ValueError("a KeySet takes exactly one of explicit_mask and visible")
 
     @property
     def shared(self) -> bool:
@@ -68,6 +82,35 @@ class KeySet:
     @property
     def length(self) -> int:
         return self.slots.shape[-1]
+
+    @property
+    def num_queries(self) -> int:
+        return (self.explicit_mask if self.visible is None else self.visible).shape[0]
+
+    def all_visible(self, hi: int) -> bool:
+        """Whether every query may read every column below hi (so that range needs no mask)."""
+        if self.visible is None:
+            return bool(self.explicit_mask[:, :hi].all())
+        return self.visible.numel() == 0 or int(self.visible.min()) >= hi
+
+    def column_mask(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """[n, hi - lo] bool: which of columns [lo, hi) each query may read."""
+        hi = self.length if hi is None else hi
+        if self.visible is None:
+            return self.explicit_mask[:, lo:hi]
+        return torch.arange(lo, hi)[None, :] < self.visible[:, None]
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The full [n, L] mask (materialised on demand; prefer column_mask for long key sets)."""
+        return self.column_mask()
+
+    def take(self, idx: torch.Tensor) -> "KeySet":
+        """The columns idx [n, k] of this key set, as a per-query key set with an explicit mask."""
+        slots = self.slots[idx] if self.shared else self.slots.gather(1, idx)
+        if self.visible is None:
+            return KeySet(slots, explicit_mask=self.explicit_mask.gather(1, idx))
+        return KeySet(slots, explicit_mask=idx < self.visible[:, None])
 
 
 @dataclass
@@ -189,10 +232,10 @@ def _decode_blocks(seqs: StepSequences, layout: HybridLayout, nd: int) -> list[Q
     blocks = []
     for lo in range(0, nd, DECODE_BLOCK_SEQS):
         hi = min(nd, lo + DECODE_BLOCK_SEQS)
-        blk = QueryBlock(lo, hi, KeySet(swa[0][lo:hi], swa[1][lo:hi]))
+        blk = QueryBlock(lo, hi, KeySet(swa[0][lo:hi], explicit_mask=swa[1][lo:hi]))
         for space, (slots, ok, count) in entries.items():
             width = int(count[lo:hi].max())
-            blk.entries[space] = KeySet(slots[lo:hi, :width], ok[lo:hi, :width])
+            blk.entries[space] = KeySet(slots[lo:hi, :width], visible=count[lo:hi])
         blocks.append(blk)
     return blocks
 
@@ -211,11 +254,12 @@ def _prefill_blocks(seqs: StepSequences, layout: HybridLayout, i: int, row0: int
         # slot list needs no null-page redirection; the mask is causal + window per query.
         kpos = torch.arange(window_start(a, W), b)
         mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] >= window_start(qpos, W)[:, None])
-        swa = KeySet(_token_slots(swa_table, kpos, P, check=True), mask)
+        swa = KeySet(_token_slots(swa_table, kpos, P, check=True), explicit_mask=mask)
         entries = {}
         for space, ratio in layout.compressed_spaces().items():
             w = torch.arange(b // ratio)  # entries the last query of the block may see
-            entries[space] = KeySet(_entry_slots(tables[space], w, P // ratio), w[None, :] < ((qpos + 1) // ratio)[:, None])
+            # Causal prefix per query (no [rows, entries] mask): query t reads entries [0, (t+1)//ratio).
+            entries[space] = KeySet(_entry_slots(tables[space], w, P // ratio), visible=(qpos + 1) // ratio)
         blocks.append(QueryBlock(row0 + a - s, row0 + b - s, swa, entries))
     return blocks
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -65,7 +66,7 @@ def measure(llm: LLM, context: int, steps: int, seed: int) -> tuple[float, int]:
     req = eng.scheduler.waiting[0]
     while req.num_computed_tokens < context or req.num_output_tokens < 2:  # prefill + 1 warm decode
         eng.step()
-    bytes_held = held_bytes(llm, rid)
+    bytes_held = held_bytes(llm, req.request_id)  # the engine's sequence id (a child of rid)
     t0 = time.perf_counter()
     for _ in range(steps):
         eng.step()
@@ -112,7 +113,8 @@ def main() -> None:
             t0 = time.perf_counter()
             tps, held = measure(llm, ctx, args.decode_steps, seed=i)
             rows.append((ctx, tps, held))
-            print(f"  context {ctx:>6}: {tps:7.1f} decode tok/s  (prefill+decode {time.perf_counter() - t0:.1f}s)",
+            print(f"  context {ctx:>6}: {tps:7.1f} decode tok/s  (prefill+decode {time.perf_counter() - t0:.1f}s, "
+                  f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB)",
                   flush=True)
         llm.engine.kv.assert_idle()
     base = rows[0][1]

@@ -11,7 +11,12 @@ import torch
 from hybridkv.attention_backends.hybrid_metadata import (
     C4, C128, INDEXER, STATE, SWA, HybridLayout, build_hybrid_metadata,
 )
-from hybridkv.attention_backends.hybrid_v4 import HybridV4Attention, IndexerQuery, joint_softmax_attention, select_topk
+from hybridkv.attention_backends import hybrid_v4
+from hybridkv.attention_backends.hybrid_metadata import KeySet
+from hybridkv.attention_backends.hybrid_v4 import (
+    HybridV4Attention, IndexerQuery, blockwise_topk, indexer_scores, indexer_topk, joint_softmax_attention,
+    online_joint_attention, select_topk,
+)
 from hybridkv.attention_backends.metadata import StepSequences
 from hybridkv.block_manager.space_spec import NULL_PAGE
 from tiny_deepseek_v4 import single_thread
@@ -96,8 +101,13 @@ class _Step:
         return page * per_page + idx % per_page
 
 
+@pytest.mark.parametrize("key_block", [None, 1, 7])  # None: the defaults (one key block here)
 @pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
-def test_backend_matches_dense_reference_over_random_pages(kind):
+def test_backend_matches_dense_reference_over_random_pages(kind, key_block, monkeypatch):
+    if key_block is not None:  # indexer top-k and entry attention read in many key blocks
+        monkeypatch.setattr(hybrid_v4, "INDEXER_KEY_BLOCK", key_block)
+        monkeypatch.setattr(hybrid_v4, "INDEXER_BLOCK_ELEMS", 0)
+        monkeypatch.setattr(hybrid_v4, "ENTRY_KEY_BLOCK", key_block)
     # two decodes (one far past its window), then prefill chunks: from 0, mid-sequence, long
     step = _Step([(36, 1), (9, 1), (20, 15), (0, 12), (3, 300)], seed={"sliding": 0, "hca": 1, "csa": 2}[kind])
     meta = build_hybrid_metadata(step.seqs, HybridLayout(P, W, CSA, HCA))
@@ -164,3 +174,116 @@ def test_compression_plan_reads_the_right_state_rows_and_writes_the_right_entrie
             assert [x for x, r in zip(got, rows) if r >= 0] == [r for r in rows if r >= 0]
             for space in spaces:
                 assert plan.out_slots[space][e].item() == step.slot(i, space, w)
+
+
+def _tied_scores(g: torch.Generator, n: int, L: int) -> torch.Tensor:
+    """Scores with many exact ties (ReLU zeros, a coarse grid) and masked (-inf) entries:
+    random masks, causal-prefix masks, and rows with fewer finite entries than k."""
+    scores = torch.relu(torch.randn(n, L, generator=g)).mul(2).round().div(2)  # ~half exact zeros
+    scores = scores.masked_fill(torch.rand(n, L, generator=g) < 0.2, float("-inf"))
+    visible = torch.randint(0, L + 1, (n,), generator=g)
+    visible[:3] = torch.tensor([0, 1, 2])  # almost nothing visible: masked entries must fill the top-k
+    causal = torch.arange(L)[None, :] < visible[:, None]
+    return torch.where(causal, scores, float("-inf"))
+
+
+@pytest.mark.parametrize("k", [1, 5, 64])
+@pytest.mark.parametrize("key_block", [1, 3, 16, 63, 64, 200, 1000])
+def test_blockwise_topk_equals_one_shot_select_topk(k, key_block):
+    g = torch.Generator().manual_seed(k * 1000 + key_block)
+    n, L = 40, 300
+    scores = _tied_scores(g, n, L)
+    want = select_topk(scores, k)
+    got = blockwise_topk(lambda lo, hi: scores[:, lo:hi], n, L, k, key_block)
+    assert torch.equal(got, want)  # the same entries, in the same (ascending) order
+
+
+def test_indexer_topk_equals_one_shot_over_shared_and_per_query_keys():
+    """Integer-valued queries and keys make every score exact whatever the matmul shape, so
+    the blockwise indexer must pick exactly the one-shot entries (ties abound)."""
+    g = torch.Generator().manual_seed(5)
+    n, heads, c, L, slots, k = 24, 4, 8, 500, 700, 16
+    q = torch.randint(-2, 3, (n, heads, c), generator=g).float()
+    weights = torch.randint(-2, 3, (n, heads), generator=g).float() / 4
+    cache = torch.randint(-2, 3, (slots, c), generator=g).float()
+    iq = IndexerQuery(q, weights, cache, INDEXER, k, 0.25)
+    visible = torch.randint(0, L + 1, (n,), generator=g)
+    shared = KeySet(torch.randperm(slots, generator=g)[:L], visible=visible)
+    per_query = KeySet(torch.randint(0, slots, (n, L), generator=g), visible=visible)
+    for ks in (shared, per_query):
+        full = indexer_scores(q, weights, cache[ks.slots], 0.25).masked_fill(~ks.mask, float("-inf"))
+        want = select_topk(full, k)
+        for key_block in (1, 17, 128, L):
+            assert torch.equal(indexer_topk(iq, slice(0, n), ks, k, key_block), want)
+
+
+def test_online_joint_attention_equals_one_pass_softmax():
+    g = torch.Generator().manual_seed(6)
+    n, L1, L2, slots = 5, 9, 70, 200
+    q = torch.randn(n, H, D, generator=g)
+    cache = torch.randn(slots, D, generator=g)
+    swa = KeySet(torch.randint(0, slots, (L1,), generator=g), explicit_mask=torch.rand(n, L1, generator=g) > 0.4)
+    visible = torch.tensor([0, 3, 20, 69, 70])  # one query sees no entry at all
+    entries = KeySet(torch.randint(0, slots, (L2,), generator=g), visible=visible)
+    sink = torch.randn(H, generator=g)
+    want = joint_softmax_attention(q, [(cache[swa.slots], swa.mask), (cache[entries.slots], entries.mask)], sink, 0.3)
+    for key_block in (1, 8, 64, 128):
+        got = online_joint_attention(q, [(cache, swa), (cache, entries)], sink, 0.3, key_block)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["hca", "csa"])
+def test_long_prefill_intermediates_are_bounded_by_the_block_sizes(kind, monkeypatch):
+    """A long prefill chunk over a long cached prefix: the largest indexer score tensor and the
+    largest attention logits stay within rows_block x heads x key_block (recorded at every
+    call), the metadata holds no [rows, entries] mask, and the output equals the one-shot
+    computation (key blocks longer than any entry list)."""
+    from hybridkv.attention_backends.hybrid_metadata import PREFILL_BLOCK_ROWS
+
+    key_block = 16
+    step = _Step([(200, 300)], seed=7)  # 250 C4 entries / 125 C128 entries seen by the last rows
+    meta = build_hybrid_metadata(step.seqs, HybridLayout(P, W, CSA, HCA))
+    for blk in meta.blocks:
+        for ks in blk.entries.values():
+            assert ks.explicit_mask is None  # a causal prefix count, never a [rows, entries] mask
+    T = meta.num_tokens
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(T, H, D, generator=g)
+    sink = torch.randn(H, generator=g)
+    iq = IndexerQuery(torch.randn(T, NI, CI, generator=g), torch.randn(T, NI, generator=g), step.index_keys,
+                      INDEXER, TOPK, CI**-0.5)
+    cache, space = (step.c4, C4) if kind == "csa" else (step.c128, C128)
+
+    def run(block: int) -> torch.Tensor:
+        monkeypatch.setattr(hybrid_v4, "INDEXER_KEY_BLOCK", block)
+        monkeypatch.setattr(hybrid_v4, "INDEXER_BLOCK_ELEMS", 0)  # the key block alone sets the width
+        monkeypatch.setattr(hybrid_v4, "ENTRY_KEY_BLOCK", block)
+        return HybridV4Attention().forward(q, step.swa, meta, sink, D**-0.5, cache, space,
+                                           iq if kind == "csa" else None)
+
+    one_shot = run(1 << 20)
+    largest = {"scores": 0, "logits": 0}
+    real_scores, real_logits = hybrid_v4.indexer_scores, hybrid_v4._logits
+
+    def scores_spy(qa, w, keys, scale):
+        largest["scores"] = max(largest["scores"], qa.shape[0] * qa.shape[1] * keys.shape[-2])
+        return real_scores(qa, w, keys, scale)
+
+    def logits_spy(qa, keys, scale):
+        largest["logits"] = max(largest["logits"], qa.shape[0] * qa.shape[1] * keys.shape[-2])
+        return real_logits(qa, keys, scale)
+
+    monkeypatch.setattr(hybrid_v4, "indexer_scores", scores_spy)
+    monkeypatch.setattr(hybrid_v4, "_logits", logits_spy)
+    got = run(key_block)
+    rows = min(PREFILL_BLOCK_ROWS, T)
+    if kind == "csa":
+        assert 0 < largest["scores"] <= rows * NI * key_block  # vs rows x NI x 250 entries one-shot
+        # CSA attention reads the window plus the top-k: bounded by construction
+        assert largest["logits"] <= rows * H * max(W + rows, TOPK)
+    else:
+        assert largest["scores"] == 0
+        # the sliding set is read as one block (window + rows keys), the entries in key blocks
+        assert largest["logits"] <= rows * H * max(W + rows, key_block)
+    # The same selection (CSA: exactly the same keys) and the same attention up to rounding.
+    torch.testing.assert_close(got, one_shot, atol=1e-5, rtol=0)
