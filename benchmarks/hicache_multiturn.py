@@ -1,4 +1,5 @@
-"""Multi-turn conversations with and without the host tier (HiCache L2), at equal device memory.
+"""Multi-turn conversations with and without the host tier (HiCache L2) and the storage tier (L3),
+at equal device memory, and after a warm restart on the same store.
 
 Modelled on SGLang's benchmark/hicache/bench_multiturn.py. C conversations x T turns, all in
 flight at once through one engine driven by engine.step() (closed loop: a conversation submits
@@ -18,29 +19,41 @@ space, write_through) it is loaded back instead. Both runs see identical workloa
 sitting, after a warm-up on a probe engine, and must produce identical output tokens on every
 turn (exit 1 if not: a cache must never change outputs).
 
+Two more runs, with storage (HiCache L3, the file backend in a temporary directory):
+  * L1+L2+L3: the host tier is also too small for the working set (--l3-host-fraction of it,
+    default 1/4), so most returning histories have left both the device and the host and come
+    back from the store (prefetched into host pages while the turn waits in the queue);
+  * warm restart: a new process (a subprocess: a fresh engine, empty device and host tiers) on
+    the same store, replaying the same workload: its very first turns already hit the store.
+
 Printed per run: input throughput (prompt tokens / wall second), TTFT (first token time minus
 the turn's submission) mean / p50 / p99, prompt tokens by where they came from (device cache,
 host tier, computed; at admission), load-back bytes and the seconds the tier copies took
-(both directions), preemptions, steps; then L1+L2 vs L1: throughput x and mean-TTFT reduction. Nothing
+(both directions), preemptions, steps; then L1+L2 vs L1: throughput x and mean-TTFT reduction, and
+each of L1+L2+L3 and the warm restart against L1 (cold) and L1+L2. Nothing
 is asserted about timings (the issue's targets, >= 3x input throughput and >= 56% lower mean
 TTFT, are printed next to the figures).
 
     python benchmarks/hicache_multiturn.py                   # demo model (SmolLM2-135M), ~2.5 minutes
     python benchmarks/hicache_multiturn.py --model v4-tiny   # tiny DeepSeek-V4 (page 32), built in a temp dir; ~30 s
-    python benchmarks/hicache_multiturn.py --quick           # ~35 s (a smoke test)
+    python benchmarks/hicache_multiturn.py --quick           # ~70 s (a smoke test)
     [--conversations 16 --turns 10 --system-tokens 128 --user-tokens 32 --output-tokens 4
-     --device-fraction 0.125 --host-fraction 1.25 --threads N --model PATH --block-size P]
+     --device-fraction 0.125 --host-fraction 1.25 --l3-host-fraction 0.25 --no-storage
+     --threads N --model PATH --block-size P]
 
 Last line: RESULT model=... throughput_x=... ttft_mean_reduction_pct=... outputs_identical=0|1 ...
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import json
 import math
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -97,6 +110,7 @@ class RunResult:
     prompt_tokens: int = 0
     from_device: int = 0
     from_host: int = 0
+    from_storage: int = 0
     computed: int = 0
     load_back_bytes: int = 0
     write_back_bytes: int = 0
@@ -106,6 +120,7 @@ class RunResult:
     host_evicted_nodes: int = 0
     device_pages: dict = field(default_factory=dict)
     host_pages: dict = field(default_factory=dict)
+    storage: dict = field(default_factory=dict)  # StorageTier.snapshot() at the end
 
     @property
     def input_throughput(self) -> float:
@@ -148,6 +163,7 @@ def run_conversations(llm: LLM, work: Workload, name: str) -> RunResult:
             res.prompt_tokens += len(history[c])
             res.from_device += m["prompt_tokens_from_device"]
             res.from_host += m["prompt_tokens_from_host"]
+            res.from_storage += m["prompt_tokens_from_storage"]
             res.computed += m["prompt_tokens_computed"]
             history[c] = history[c] + toks
             if t + 1 < T:
@@ -163,18 +179,28 @@ def run_conversations(llm: LLM, work: Workload, name: str) -> RunResult:
         res.host_pages = {s: p.num_pages for s, p in eng.kv.host_tier.pools.items()}
         res.host_evicted_nodes = eng.kv.host_tier.stats.host_evicted_nodes
     eng.check_invariants()
+    if eng.storage is not None:
+        eng.storage.close()  # every queued write lands before the store is reused
+        res.storage = eng.storage.snapshot()
     return res
 
 
 def _print_run(r: RunResult) -> None:
     P = r.prompt_tokens
-    print(f"  {r.name:<8} input {r.input_throughput:8.1f} tok/s  wall {r.wall:7.2f} s  "
+    print(f"  {r.name:<9} input {r.input_throughput:8.1f} tok/s  wall {r.wall:7.2f} s  "
           f"TTFT mean {r.ttft_mean * 1e3:8.1f} ms  p50 {r.ttft_pct(50) * 1e3:8.1f}  p99 {r.ttft_pct(99) * 1e3:8.1f}  "
           f"steps {r.steps}")
-    print(f"           prompt tokens {P}: device {r.from_device / P:6.1%}  host {r.from_host / P:6.1%}  "
-          f"computed {r.computed / P:6.1%}   load-back {r.load_back_bytes / 2**20:8.1f} MiB  "
+    print(f"            prompt tokens {P}: device {r.from_device / P:6.1%}  host {r.from_host / P:6.1%}  "
+          f"storage {r.from_storage / P:6.1%}  computed {r.computed / P:6.1%}   load-back {r.load_back_bytes / 2**20:8.1f} MiB  "
           f"write {r.write_back_bytes / 2**20:8.1f} MiB  tier copies {r.transfer_seconds:6.2f} s  "
           f"preemptions {r.preemptions}" + (f"  host evictions {r.host_evicted_nodes}" if r.host_pages else ""))
+    if r.storage:
+        st = r.storage
+        print(f"            storage: prefetches {int(st['prefetches_started'])} (completed "
+              f"{int(st['prefetches_completed'])}, timed out {int(st['prefetches_timed_out'])}, failed "
+              f"{int(st['prefetches_failed'])}), pages prefetched {int(st['prefetch_pages'])}, pages written "
+              f"{int(st['writes_queued'] - st['writes_dropped'])}, dropped {int(st['writes_dropped'])}, "
+              f"corrupt {int(st['corrupt_values'])}")
 
 
 def build_model(spec: str, tmp: str, block_size: int | None) -> tuple[str | None, dict, str]:
@@ -199,6 +225,10 @@ def parse_args(argv):
     ap.add_argument("--output-tokens", type=int, default=None, help="generated per turn (default 4; quick 2)")
     ap.add_argument("--device-fraction", type=float, default=0.125, help="device pages / working-set pages (whole-history spaces)")
     ap.add_argument("--host-fraction", type=float, default=1.25, help="host tier pages / working-set pages (every space)")
+    ap.add_argument("--l3-host-fraction", type=float, default=0.25,
+                    help="host tier pages / working-set pages in the L1+L2+L3 and warm-restart runs")
+    ap.add_argument("--no-storage", action="store_true", help="skip the L1+L2+L3 and warm-restart runs")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # the warm-restart process's spec
     ap.add_argument("--block-size", type=int, default=None, help="page size (default: the model's; v4-tiny 32)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
@@ -216,9 +246,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.child:
+        return _child(args.child)
     with tempfile.TemporaryDirectory() as tmp:
         model, kw, label = build_model(args.model, tmp, args.block_size)
-        return _bench(args, model, kw, label)
+        return _bench(args, model, kw, label, tmp)
 
 
 def warm_up(llm: LLM, vocab: int) -> None:
@@ -227,6 +259,44 @@ def warm_up(llm: LLM, vocab: int) -> None:
     rng = random.Random(12345)
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in (200, 64, 17)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+
+
+def _child(spec_path: str) -> int:
+    """The warm-restart process: warm up on a probe engine without storage, then run the
+    workload on a fresh engine over the store the parent filled; print the result as JSON."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    w = spec["workload"]
+    work = make_workload(w["vocab"], w["conversations"], w["turns"], w["system_tokens"], w["user_tokens"],
+                         w["output_tokens"], w["seed"])
+    probe_kw = {k: v for k, v in spec["kw"].items() if k in ("dtype", "block_size")}
+    probe = LLM(spec["model"], max_model_len=256, max_num_seqs=1, **probe_kw)
+    warm_up(probe, w["vocab"])
+    del probe
+    gc.collect()
+    llm = LLM(spec["model"], **spec["kw"])
+    res = run_conversations(llm, work, spec["name"])
+    print("CHILD_RESULT " + json.dumps(dataclasses.asdict(res)))
+    return 0
+
+
+def run_in_new_process(args, model: str | None, kw: dict, work: Workload, vocab: int, name: str, tmp: str) -> RunResult:
+    """run_conversations in a new Python process (nothing shared with this one but the store)."""
+    spec = dict(model=model, kw=kw, name=name, workload=dict(
+        vocab=vocab, conversations=work.conversations, turns=work.turns, system_tokens=len(work.system),
+        user_tokens=len(work.user[0][0]), output_tokens=work.output_tokens, seed=args.seed))
+    spec_path = os.path.join(tmp, f"{name}.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", spec_path]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHILD_RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the {name} process failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    res = RunResult(**json.loads(lines[-1][len("CHILD_RESULT "):]))
+    return res
 
 
 def device_bytes_for(specs: dict, page: int, n: int, seqs: int, chunk: int) -> int:
@@ -242,7 +312,7 @@ def device_bytes_for(specs: dict, page: int, n: int, seqs: int, chunk: int) -> i
     return total
 
 
-def _bench(args, model, kw: dict, label: str) -> int:
+def _bench(args, model, kw: dict, label: str, tmp: str) -> int:
     C = args.conversations
     # A probe engine (small pool) tells the page size, the vocabulary and the block spaces.
     probe = LLM(model, max_model_len=256, max_num_seqs=1, **kw)
@@ -284,37 +354,69 @@ def _bench(args, model, kw: dict, label: str) -> int:
           + (", raised to fit one longest sequence" if clamped else "") + f"); host tier "
           f"{host_bytes / 2**20:.1f} MiB = {host_pages} pages per space ({args.host_fraction:g})")
 
+    l3_host_pages = max(1, math.ceil(ws_pages * args.l3_host_fraction))
+    l3_host_bytes = l3_host_pages * sum(bpp.values())
+    store = os.path.join(tmp, "store")
+    l3 = dict(enable_hierarchical_cache=True, hicache_size=l3_host_bytes, hicache_write_policy="write_through",
+              hicache_storage_backend="file", hicache_storage_dir=store)
+    if not args.no_storage:
+        print(f"L1+L2+L3 and warm restart: host tier {l3_host_bytes / 2**20:.1f} MiB = {l3_host_pages} pages per "
+              f"space ({args.l3_host_fraction:g} of the working set), file store in a temporary directory")
+    configs = [("L1", dict(enable_hierarchical_cache=False)),
+               ("L1+L2", dict(enable_hierarchical_cache=True, hicache_size=host_bytes,
+                              hicache_write_policy="write_through"))]
+    if not args.no_storage:
+        configs.append(("L1+L2+L3", l3))
     runs = []
-    for name, extra in (("L1", dict(enable_hierarchical_cache=False)),
-                        ("L1+L2", dict(enable_hierarchical_cache=True, hicache_size=host_bytes,
-                                       hicache_write_policy="write_through"))):
+    for name, extra in configs:
         llm = LLM(model, **common, **extra)
         r = run_conversations(llm, work, name)
         del llm
         gc.collect()
         runs.append(r)
         print(f"  [{name}] device pages {r.device_pages}" + (f", host pages {r.host_pages}" if r.host_pages else ""))
+    if not args.no_storage:
+        runs.append(run_in_new_process(args, model, dict(common, **l3), work, vocab, "warm", tmp))
+        print(f"  [warm] a new process on the same store; device pages {runs[-1].device_pages}, "
+              f"host pages {runs[-1].host_pages}")
     print()
     for r in runs:
         _print_run(r)
-    l1, l2 = runs
-    identical = l1.outputs == l2.outputs
-    if not identical:
-        bad = [(c, t) for c in range(C) for t in range(work.turns) if l1.outputs[c][t] != l2.outputs[c][t]]
-        print(f"\nOUTPUTS DIFFER on {len(bad)} of {C * work.turns} turns (first: conversation {bad[0][0]}, "
-              f"turn {bad[0][1]}): {l1.outputs[bad[0][0]][bad[0][1]]} vs {l2.outputs[bad[0][0]][bad[0][1]]}")
-    speedup = l2.input_throughput / l1.input_throughput
-    ttft_red = (1 - l2.ttft_mean / l1.ttft_mean) * 100
-    p50_red = (1 - l2.ttft_pct(50) / l1.ttft_pct(50)) * 100
+    cold = runs[0]
+    bad = {r.name: [(c, t) for c in range(C) for t in range(work.turns) if r.outputs[c][t] != cold.outputs[c][t]]
+           for r in runs[1:]}
+    identical = not any(bad.values())
+    for name, turns in bad.items():
+        if turns:
+            c, t = turns[0]
+            other = next(r for r in runs if r.name == name)
+            print(f"\nOUTPUTS DIFFER between L1 and {name} on {len(turns)} of {C * work.turns} turns (first: "
+                  f"conversation {c}, turn {t}): {cold.outputs[c][t]} vs {other.outputs[c][t]}")
+    l2 = runs[1]
+    speedup = l2.input_throughput / cold.input_throughput
+    ttft_red = (1 - l2.ttft_mean / cold.ttft_mean) * 100
+    p50_red = (1 - l2.ttft_pct(50) / cold.ttft_pct(50)) * 100
     print(f"\nL1+L2 vs L1: input throughput {speedup:.2f}x (target >= {TARGET_THROUGHPUT_X:g}x: "
           f"{'met' if speedup >= TARGET_THROUGHPUT_X else 'MISSED'}), mean TTFT {ttft_red:.1f}% lower "
           f"(target >= {TARGET_TTFT_REDUCTION_PCT:g}%: {'met' if ttft_red >= TARGET_TTFT_REDUCTION_PCT else 'MISSED'}), "
           f"p50 TTFT {p50_red:.1f}% lower; outputs identical: {identical}")
-    print(f"RESULT model={args.model} throughput_x={speedup:.3f} ttft_mean_reduction_pct={ttft_red:.1f} "
-          f"outputs_identical={int(identical)} l1_input_tok_s={l1.input_throughput:.1f} "
-          f"l2_input_tok_s={l2.input_throughput:.1f} l1_ttft_mean_ms={l1.ttft_mean * 1e3:.1f} "
-          f"l2_ttft_mean_ms={l2.ttft_mean * 1e3:.1f} l2_host_hit={l2.from_host / l2.prompt_tokens:.3f} "
-          f"l2_load_back_mib={l2.load_back_bytes / 2**20:.1f}")
+    for r in runs[2:]:
+        hit = (r.prompt_tokens - r.computed) / r.prompt_tokens
+        print(f"{r.name} : hit rate {hit:.1%} (storage {r.from_storage / r.prompt_tokens:.1%}); input throughput "
+              f"{r.input_throughput / cold.input_throughput:.2f}x L1, {r.input_throughput / l2.input_throughput:.2f}x "
+              f"L1+L2; mean TTFT {(1 - r.ttft_mean / cold.ttft_mean) * 100:.1f}% lower than L1, "
+              f"{(1 - r.ttft_mean / l2.ttft_mean) * 100:.1f}% lower than L1+L2")
+    line = (f"RESULT model={args.model} throughput_x={speedup:.3f} ttft_mean_reduction_pct={ttft_red:.1f} "
+            f"outputs_identical={int(identical)} l1_input_tok_s={cold.input_throughput:.1f} "
+            f"l2_input_tok_s={l2.input_throughput:.1f} l1_ttft_mean_ms={cold.ttft_mean * 1e3:.1f} "
+            f"l2_ttft_mean_ms={l2.ttft_mean * 1e3:.1f} l2_host_hit={l2.from_host / l2.prompt_tokens:.3f} "
+            f"l2_load_back_mib={l2.load_back_bytes / 2**20:.1f}")
+    for r in runs[2:]:
+        tag = "l3" if r.name == "L1+L2+L3" else "warm"
+        line += (f" {tag}_input_tok_s={r.input_throughput:.1f} {tag}_ttft_mean_ms={r.ttft_mean * 1e3:.1f} "
+                 f"{tag}_storage_hit={r.from_storage / r.prompt_tokens:.3f} "
+                 f"{tag}_hit={(r.prompt_tokens - r.computed) / r.prompt_tokens:.3f}")
+    print(line)
     return 0 if identical else 1
 
 

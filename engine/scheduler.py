@@ -174,7 +174,8 @@ class Scheduler:
                     break
                 if req.request_id in order.deferred and (out.scheduled or self.running):
                     continue  # in-batch grouping: the group's first request computes the shared prefix
-                if self.storage is not None and self.storage.blocks(req.request_id):
+                if self.storage is not None and req.num_cached_tokens < 0 and not self.storage.ready(
+                        req.request_id, req.all_token_ids, req.namespace):
                     continue  # its prefix is still being read from storage
                 if not self._admit(req, budget, now, out):
                     break

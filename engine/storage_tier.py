@@ -7,7 +7,11 @@ request waits in the queue meanwhile (never the step loop), as the prefetch poli
   wait_complete  it waits until the read finished
   timeout        it waits until the read finished or base + per-1k-tokens x prompt length passed
 The engine thread then records what arrived as host-only nodes of the shadow index (host pages
-filled from the bytes), so the ordinary match -> load-back path serves them. A reservation is
+filled from the bytes), so the ordinary match -> load-back path serves them. A waiting request
+holds no pages, so while it waits other requests may evict what it matched on arrival (its
+previous turn, still on the device then, or the pages its prefetch recorded); when the scheduler
+reaches it and its match has shrunk, it reads again from where the match now ends (at most
+MAX_REFETCHES times: a request is never starved by its own cache). A reservation is
 the in-flight read of one request; it is released on every exit (done, admitted, aborted,
 timed out, store error) and `num_outstanding` is its gauge.
 
@@ -40,6 +44,7 @@ logger = logging.getLogger(__name__)
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 TIMEOUT_BASE_S = 1.0  # SGLang's prefetch_timeout_base
 TIMEOUT_PER_1K_TOKENS_S = 0.25  # SGLang's prefetch_timeout_per_ki_token
+MAX_REFETCHES = 2  # reads started again for one request whose match shrank while it waited
 MAX_PENDING_WRITES = 256  # write batches queued for the store; more are dropped (counted)
 
 
@@ -50,6 +55,7 @@ class StorageTierStats:
     prefetches_timed_out: int = 0
     prefetches_aborted: int = 0
     prefetches_failed: int = 0  # the read raised (a backend bug: backends count their own errors)
+    prefetches_restarted: int = 0  # reads started again at admission: the match shrank while waiting
     prefetch_pages: int = 0  # pages recorded from the store
     corrupt_values: int = 0  # values whose header or checksum did not match (misses)
     writes_queued: int = 0  # pages handed to the store
@@ -93,7 +99,11 @@ class StorageTier:
         self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridkv-storage")
         self._prefetches: dict[str, _Prefetch] = {}
         self._pending_writes: list[concurrent.futures.Future] = []
-        self._recorded_tokens: dict[str, int] = {}  # request id -> tokens its prefetch recorded
+        self._recorded_tokens: dict[str, int] = {}  # request id -> tokens its prefetches recorded
+        # request id -> pages it could hit so far (its match on arrival, or what a read recorded),
+        # and how many reads were restarted for it; both dropped on admission / abort.
+        self._known_pages: dict[str, int] = {}
+        self._restarts: dict[str, int] = {}
         kv.host_tier.storage_writes = True
 
     def snapshot(self) -> dict[str, float]:
@@ -112,13 +122,18 @@ class StorageTier:
     # -- reads ------------------------------------------------------------------------------------
     def begin(self, request_id: str, token_ids: Sequence[int], namespace: Hashable = None) -> None:
         """Start reading what the store holds past the request's device/host prefix."""
-        P = self.P
-        max_pages = (len(token_ids) - 1) // P
+        max_pages = (len(token_ids) - 1) // self.P
         m = self.kv.index.match(token_ids, namespace, max_pages=max_pages, touch=False)
-        d = len(m.nodes)
+        self._known_pages[request_id] = len(m.nodes)
+        self._start(request_id, token_ids, namespace, m.nodes, max_pages)
+
+    def _start(self, request_id: str, token_ids: Sequence[int], namespace: Hashable, nodes: list,
+               max_pages: int) -> None:
+        P = self.P
+        d = len(nodes)
         if d >= max_pages:
             return
-        chain = m.nodes[-1].chain if d else root_chain(self.fp.seed, namespace)
+        chain = nodes[-1].chain if d else root_chain(self.fp.seed, namespace)
         chains = []
         for i in range(d, max_pages):
             chain = next_chain(chain, token_ids[i * P : (i + 1) * P])
@@ -129,6 +144,22 @@ class StorageTier:
         future = self._io.submit(self._read, d, chains)
         self._prefetches[request_id] = _Prefetch(request_id, list(token_ids), namespace, d, future, deadline)
         self.stats.prefetches_started += 1
+
+    def ready(self, request_id: str, token_ids: Sequence[int], namespace: Hashable = None) -> bool:
+        """The scheduler is about to admit this request: whether it may go now (the prefetch
+        policy). If its match shrank since it arrived (evicted while it waited), a read from the
+        new end starts first, and the request waits for it as for any prefetch."""
+        pf = self._prefetches.get(request_id)
+        known = self._known_pages.get(request_id, 0)
+        if (pf is None or pf.done) and known and self._restarts.get(request_id, 0) < MAX_REFETCHES:
+            max_pages = (len(token_ids) - 1) // self.P
+            m = self.kv.index.match(token_ids, namespace, max_pages=max_pages, touch=False)
+            if len(m.nodes) < known:
+                self._restarts[request_id] = self._restarts.get(request_id, 0) + 1
+                self.stats.prefetches_restarted += 1
+                self._release(request_id)
+                self._start(request_id, token_ids, namespace, m.nodes, max_pages)
+        return not self.blocks(request_id)
 
     def _decode(self, space: str, blob: bytes | None) -> bytes | None:
         if blob is None:
@@ -237,7 +268,9 @@ class StorageTier:
             for s, h in unused:
                 index.free_host_page(s, h)
             pf.recorded = recorded * P
-            self._recorded_tokens[pf.request_id] = recorded * P
+            rid = pf.request_id
+            self._recorded_tokens[rid] = self._recorded_tokens.get(rid, 0) + recorded * P
+            self._known_pages[rid] = max(self._known_pages.get(rid, 0), pf.first_page + recorded)
             self.stats.prefetch_pages += recorded
         finally:
             if receipt is not None:
@@ -259,6 +292,8 @@ class StorageTier:
         if pf is not None and not pf.done and pf.future.done():
             self._record(pf)
         self._release(request_id)
+        self._known_pages.pop(request_id, None)
+        self._restarts.pop(request_id, None)
         return self._recorded_tokens.pop(request_id, 0)
 
     def abort(self, request_id: str) -> None:
@@ -267,6 +302,8 @@ class StorageTier:
                 self.stats.prefetches_aborted += 1
             self._release(request_id)
         self._recorded_tokens.pop(request_id, None)
+        self._known_pages.pop(request_id, None)
+        self._restarts.pop(request_id, None)
 
     def _release(self, request_id: str) -> None:
         pf = self._prefetches.pop(request_id, None)

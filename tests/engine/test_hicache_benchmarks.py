@@ -1,6 +1,7 @@
 """The HiCache benchmarks run end to end in --quick mode (on tiny checkpoints, not the demo
-model) and print a parseable RESULT line saying the runs with and without the host tier gave
-identical outputs. Nothing about timings is asserted."""
+model) and print a parseable RESULT line saying the runs with and without the host tier, with
+the storage tier, and after a warm restart on that store gave identical outputs. Nothing about
+timings is asserted."""
 from __future__ import annotations
 
 import importlib.util
@@ -38,6 +39,9 @@ def test_hicache_multiturn_quick(tiny_ckpt, capsys, arch):
     res = _result(capsys.readouterr().out)
     assert rc == 0 and res["outputs_identical"] == "1", res
     assert float(res["l2_host_hit"]) > 0, "the host tier served nothing: the device budget is not the 1/8 intended"
+    assert float(res["l3_storage_hit"]) > 0, "the store served nothing: the host tier is not too small as intended"
+    assert float(res["warm_storage_hit"]) > float(res["l3_storage_hit"]), (
+        "a new process on the filled store should find more there than the run that filled it", res)
 
 
 @pytest.mark.slow
