@@ -131,6 +131,8 @@ class CompressionPlan:
     row_valid: torch.Tensor  # [E, rows_per_entry] False for rows before position 0
     positions: torch.Tensor  # [E] first token of each window (its RoPE position)
     out_slots: dict[str, torch.Tensor]  # space -> [E] slot of the new entry
+    seq: torch.Tensor | None = None  # [E] the step's sequence index of each entry
+    entry: torch.Tensor | None = None  # [E] the entry's index in its sequence (w)
 
     @property
     def num_entries(self) -> int:
@@ -144,6 +146,9 @@ class HybridAttentionMetadata:
     state_slot_mapping: torch.Tensor  # [T]
     plans: dict[str, CompressionPlan]  # "csa" / "hca"
     blocks: list[QueryBlock]
+    num_decodes: int = 0  # blocks' rows below this are one-query sequences
+    # HiSparse (attention_backends/hisparse_reads.py: HiSparseStep) when the engine enables it.
+    hisparse: object | None = None
 
     def slot_mappings(self) -> dict[str, torch.Tensor]:
         """Space -> every slot this step writes (the runner's null-page debug check reads it)."""
@@ -187,7 +192,8 @@ def _plan(
     if total == 0:
         empty = torch.empty(0, dtype=torch.long)
         return CompressionPlan(ratio, overlap, torch.empty(0, rows, dtype=torch.long),
-                               torch.empty(0, rows, dtype=torch.bool), empty, {s: empty for s in out_spaces})
+                               torch.empty(0, rows, dtype=torch.bool), empty, {s: empty for s in out_spaces},
+                               empty, empty)
     seq = torch.repeat_interleave(torch.arange(ctx.shape[0]), count)
     w = lo[seq] + torch.arange(total) - (torch.cumsum(count, 0) - count)[seq]
     pos = (w * ratio - (ratio if overlap else 0))[:, None] + torch.arange(rows)[None, :]
@@ -203,7 +209,7 @@ def _plan(
     for space in out_spaces:
         table = seqs.block_tables[space]
         out[space] = table[seq, (w // spp).clamp(max=table.shape[1] - 1)] * spp + w % spp
-    return CompressionPlan(ratio, overlap, row_slots, valid, w * ratio, out)
+    return CompressionPlan(ratio, overlap, row_slots, valid, w * ratio, out, seq, w)
 
 
 def _decode_blocks(seqs: StepSequences, layout: HybridLayout, nd: int) -> list[QueryBlock]:
@@ -299,4 +305,5 @@ def build_hybrid_metadata(seqs: StepSequences, layout: HybridLayout) -> HybridAt
         state_slot_mapping=write_slots(STATE) if STATE in seqs.block_tables else empty,
         plans=plans,
         blocks=blocks,
+        num_decodes=nd,
     )

@@ -15,7 +15,8 @@ from typing import Callable
 
 import torch
 
-from hybridkv.attention_backends.hybrid_metadata import HybridAttentionMetadata, KeySet
+from hybridkv.attention_backends.hisparse_reads import HiSparseLayer, select_from_buffer
+from hybridkv.attention_backends.hybrid_metadata import HybridAttentionMetadata, KeySet, QueryBlock
 
 INDEXER_SCORE_ELEMS = 1 << 24  # cap on [queries, heads, entries] elements per indexer matmul
 # Indexer keys scored per matmul: each query block is scored against its causal C4 entries in
@@ -228,19 +229,16 @@ class HybridV4Attention:
         entry_cache: torch.Tensor | None = None,  # [entry slots, D] compressed entries of this layer
         entry_space: str | None = None,  # "c4" / "c128"
         indexer: IndexerQuery | None = None,  # CSA layers: selects the top-k entries
+        hisparse: HiSparseLayer | None = None,  # CSA layers with HiSparse: decode reads the hot buffer
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         for blk in meta.blocks:
             rows = slice(blk.start, blk.end)
             qb = q[rows]
             sources = [(swa_cache, blk.swa)]
-            if entry_cache is not None:
-                ks = blk.entries[entry_space]
-                if ks.length:
-                    if indexer is not None:
-                        k = min(indexer.topk, ks.length)
-                        ks = ks.take(indexer_topk(indexer, rows, blk.entries[indexer.space], k))
-                    sources.append((entry_cache, ks))
+            picked = self.entries(blk, meta, entry_cache, entry_space, indexer, hisparse)
+            if picked is not None:
+                sources.append(picked)
             if sum(ks.length for _, ks in sources[1:]) <= ENTRY_KEY_BLOCK:
                 # Short entry lists (every CSA block: top-k; HCA below ENTRY_KEY_BLOCK entries): one pass.
                 sets = [(_gather(cache, ks), ks.mask) for cache, ks in sources]
@@ -248,3 +246,22 @@ class HybridV4Attention:
             else:
                 out[rows] = online_joint_attention(qb, sources, sinks, scale, ENTRY_KEY_BLOCK)
         return out
+
+    def entries(self, blk: QueryBlock, meta: HybridAttentionMetadata, entry_cache: torch.Tensor | None,
+                entry_space: str | None, indexer: IndexerQuery | None,
+                hisparse: HiSparseLayer | None) -> tuple[torch.Tensor, KeySet] | None:
+        """(cache, key set) of the compressed entries this block reads: every causal C128 entry,
+        or the indexer's top-k C4 entries -- from the hot buffer for HiSparse decode rows."""
+        if entry_cache is None or not blk.entries[entry_space].length:
+            return None
+        ks = blk.entries[entry_space]
+        if indexer is None:
+            return entry_cache, ks
+        rows = slice(blk.start, blk.end)
+        idx = self.topk(indexer, rows, blk.entries[indexer.space], min(indexer.topk, ks.length))
+        if hisparse is not None and blk.start < meta.num_decodes:
+            h = hisparse
+            return h.hot, select_from_buffer(h.step, h.layer, h.hot, entry_cache, blk.start, blk.end, ks, idx)
+        return entry_cache, ks.take(idx)
+
+    topk = staticmethod(indexer_topk)  # the Triton backend scores with its kernel

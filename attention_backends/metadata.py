@@ -58,6 +58,7 @@ class StepSequences:
     query_lens: list[int]
     context_lens: list[int]  # tokens in the cache after this step = start + query_len
     block_tables: dict[str, torch.Tensor]
+    request_ids: list[str] | None = None  # in the same order (models that keep per-request state)
 
     @classmethod
     def from_page_lists(
@@ -162,6 +163,9 @@ class SpaceAttentionMetadata:
     # True when some decode sequence spans several items: the backend merges partial results.
     decode_split: bool = False
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # [B, width] page ids of the step's sequences (StepSequences.block_tables[space]): the kernel
+    # backends (Triton) walk pages through it instead of reading the per-key slots above.
+    block_table: torch.Tensor | None = None
 
 
 @dataclass
@@ -170,6 +174,12 @@ class AttentionMetadata:
     num_decode_tokens: int
     spaces: dict[str, SpaceAttentionMetadata]
     tiles: TileSizes = DEFAULT_TILES
+    # What kernel backends index the block tables with (one entry per sequence, token order):
+    # query_start_loc [B + 1] int32 (row of each sequence's first query in the flat batch, then
+    # num_tokens), context_lens [B] int32 (tokens in the cache after this step), and the page size.
+    query_start_loc: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    page_size: int = 0
 
     def slot_mappings(self) -> dict[str, torch.Tensor]:
         """Space -> every slot this step writes (the runner's null-page debug check reads it)."""
@@ -247,7 +257,7 @@ def build_space_metadata(
     first_row = torch.cumsum(q_lens, 0) - q_lens
     positions = (ctx - q_lens)[seq_of_token] + torch.arange(seq_of_token.shape[0]) - first_row[seq_of_token]
     slot_mapping = token_slots(table, positions, page_size, rows=seq_of_token).long()  # index_copy_ wants int64
-    sm = SpaceAttentionMetadata(slot_mapping, window)
+    sm = SpaceAttentionMetadata(slot_mapping, window, block_table=table)
     if nd:
         sm.decode_tiles, sm.decode_split = _decode_tiles(table[:nd], ctx[:nd], window, page_size, sizes)
     row = nd
@@ -277,9 +287,13 @@ def _slot_runs(slots: torch.Tensor | None) -> list[tuple[int, int, int]]:
 def build_attention_metadata(
     seqs: StepSequences, windows: dict[str, int | None], page_size: int, sizes: TileSizes = DEFAULT_TILES
 ) -> AttentionMetadata:
+    q_lens = torch.tensor(seqs.query_lens, dtype=torch.int32)
     return AttentionMetadata(
         num_tokens=sum(seqs.query_lens),
         num_decode_tokens=seqs.num_decodes,
         spaces={name: build_space_metadata(seqs, name, w, page_size, sizes) for name, w in windows.items()},
         tiles=sizes,
+        query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(q_lens, 0, dtype=torch.int32)]),
+        context_lens=torch.tensor(seqs.context_lens, dtype=torch.int32),
+        page_size=page_size,
     )

@@ -28,6 +28,7 @@ from typing import Hashable, Sequence
 from hybridkv.block_manager.block_space import BlockSpace
 from hybridkv.block_manager.block_table import BlockTable
 from hybridkv.block_manager.eviction_policy import EvictionPolicy
+from hybridkv.block_manager.hisparse import HotBuffers
 from hybridkv.block_manager.host_pool import HostPool
 from hybridkv.block_manager.host_tier import HostTier
 from hybridkv.block_manager.shadow_index import LockReceipt, ShadowIndex, ShadowNode
@@ -95,8 +96,12 @@ class KVCacheManager:
         host_pages: dict[str, int] | None = None,
         hicache_write_policy: str = "write_through",
         load_back_threshold: int = 0,
+        hisparse: HotBuffers | None = None,
     ) -> None:
         """max_pages_per_request / max_requests only size the block tables up front (they grow).
+
+        hisparse: the HiSparse hot buffers (decode reads of C4 entries); a request's row there
+        is released with its pages.
 
         host_pages: pages of the host tier (HiCache L2) per space; None = no host tier. A prefix
         hit whose load-back would be under load_back_threshold tokens is served from the device
@@ -116,6 +121,7 @@ class KVCacheManager:
             else None
         )
         self.load_back_threshold = load_back_threshold
+        self.hisparse = hisparse
         self.index = (
             ShadowIndex(self.spaces, page_size, EvictionPolicy(eviction_policy), windowed_match, self.host_tier)
             if enable_prefix_caching
@@ -480,6 +486,8 @@ class KVCacheManager:
         req.receipt = self.index.move(req.receipt, req.anchor, swa_tokens)
 
     def free(self, request_id: str) -> None:
+        if self.hisparse is not None:
+            self.hisparse.release(request_id)
         req = self._requests.pop(request_id, None)
         if req is not None:
             self._release(req)
@@ -525,6 +533,8 @@ class KVCacheManager:
             space.check_invariants()
         if self.index is not None:
             self.index.check_invariants()
+        if self.hisparse is not None:
+            self.hisparse.check_invariants()
         held: dict[str, dict[int, int]] = {name: {} for name in self.spaces}
         rows = set()
         for rid, req in self._requests.items():
@@ -578,6 +588,8 @@ class KVCacheManager:
             assert self.index.num_live_receipts == 0, f"{self.index.num_live_receipts} lock receipts still live"
         if self.host_tier is not None:
             assert self.host_tier.transfers.empty, "tier copies were decided but never executed"
+        if self.hisparse is not None:
+            assert self.hisparse.num_active == 0, f"{self.hisparse.num_active} hot-buffer rows still held"
 
 
 class _Tail(Sequence):

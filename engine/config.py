@@ -1,7 +1,10 @@
 """EngineConfig: everything an LLMEngine is built from (the LLM class and the CLI fill it)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
+
+from hybridkv.attention_backends.registry import validate_attention_backend_name
 
 
 @dataclass
@@ -22,7 +25,10 @@ class EngineConfig:
     # (offline default, for throughput); `hybridkv serve` defaults to 0.25.
     target_step_seconds: float | None = None
     allow_pickle_weights: bool = False
-    attention_backend: str = "torch_native"  # hybridkv.attention_backends.registry names
+    # "auto" | "torch_native" | "triton" | "xformers" (hybridkv.attention_backends.registry): auto
+    # = triton on CUDA when the triton package imports, else torch_native. A backend that cannot
+    # run on this machine is refused by the model runner before the model is loaded.
+    attention_backend: str = "auto"
     # FP8/FP4 checkpoints: None keeps weights compressed (dequantized tile by tile in the matmul;
     # memory ~ file size), True dequantizes once at load (faster on CPU, 2-4x the memory).
     dequantize_weights: bool | None = None
@@ -46,8 +52,13 @@ class EngineConfig:
     hicache_storage_backend_extra_config: str | dict | None = None  # JSON or dict, e.g. {"url": "redis://..."}
     hicache_storage_dir: str | None = None  # file backend directory (default ~/.cache/hybridkv/kv_store)
     hicache_storage_prefetch_policy: str = "timeout"  # best_effort | wait_complete | timeout
+    # HiSparse (DeepSeek-V4 CSA layers): decode reads C4 entries from a per-request hot buffer;
+    # the full C4 history is a host mirror charged to host memory, not to kv_cache_memory_bytes.
+    enable_hisparse: bool = False
+    hisparse_config: str | dict | None = None  # JSON or dict: {"hot_buffer_size": ..., "mirror_bytes": ...}
 
     def __post_init__(self) -> None:
+        validate_attention_backend_name(self.attention_backend)
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -75,6 +86,41 @@ class EngineConfig:
                              "choose one of ['best_effort', 'wait_complete', 'timeout']")
         if self.load_back_threshold < 0:
             raise ValueError(f"load_back_threshold must be >= 0 tokens, got {self.load_back_threshold}")
+        if self.hisparse_config is not None and not self.enable_hisparse:
+            raise ValueError("hisparse_config is given but enable_hisparse is False")
+        if self.enable_hisparse:
+            HiSparseConfig.parse(self.hisparse_config)  # a bad config fails before the model loads
+
+
+@dataclass(frozen=True)
+class HiSparseConfig:
+    """`hisparse_config` (SGLang's --hisparse-config JSON), validated.
+
+    hot_buffer_size  C4 entries per request and CSA layer on the device (None = 2 x index_topk;
+                     must be >= index_topk)
+    mirror_bytes     host memory for the C4 mirror (None = as many pages as the device's other
+                     whole-history spaces get, so the mirror never limits admission first)
+    """
+
+    hot_buffer_size: int | None = None
+    mirror_bytes: int | None = None
+
+    @classmethod
+    def parse(cls, value: str | dict | None) -> "HiSparseConfig":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"hisparse_config is not valid JSON: {e}") from None
+        value = dict(value or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown hisparse_config key(s) {unknown}; known: {sorted(known)}")
+        for key, v in value.items():
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"hisparse_config[{key!r}] must be a positive integer, got {v!r}")
+        return cls(**value)
 
 
 DEFAULT_KV_CACHE_CAP_BYTES = 2 << 30

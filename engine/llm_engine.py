@@ -121,6 +121,7 @@ class LLMEngine:
         specs = self.runner.space_specs()
         self.block_size = self._choose_block_size(specs)
         budget = config.max_num_batched_tokens or max(2048, self.max_model_len)
+        self.hisparse = self._hisparse_plan(specs) if config.enable_hisparse else None
         device_pages = self._pages_per_space(specs, budget)
         host_pages = self._host_pages_per_space(specs, device_pages) if config.enable_hierarchical_cache else None
         self.kv = KVCacheManager(
@@ -130,6 +131,7 @@ class LLMEngine:
             max_requests=min(config.max_num_seqs, 64),
             host_pages=host_pages, hicache_write_policy=config.hicache_write_policy,
             load_back_threshold=config.load_back_threshold,
+            hisparse=self.hisparse.buffers() if self.hisparse is not None else None,
         )
         short = self.kv.spaces_short_for(self.max_model_len, budget)
         if short:
@@ -251,6 +253,14 @@ class LLMEngine:
         if self.storage is not None:
             self.storage.store(transfers)
 
+    def _hisparse_plan(self, specs):
+        from hybridkv.engine.config import HiSparseConfig
+        from hybridkv.engine.hisparse_plan import HiSparsePlan
+
+        layers = getattr(self.runner.model, "hisparse_layers", lambda: None)()
+        return HiSparsePlan.make(HiSparseConfig.parse(self.config.hisparse_config), layers, specs,
+                                 self.block_size, self.config.max_num_seqs)
+
     def _pages_per_space(self, specs, max_chunk_tokens: int) -> dict[str, int]:
         """Split the KV memory between spaces by bytes per token of context.
 
@@ -259,9 +269,14 @@ class LLMEngine:
         running sequence's window (+2 pages: one straddling the window start, one partial)
         plus one step's worth of new tokens, and never more than n + max_num_seqs pages;
         n is the largest count for which everything fits in the budget.
+
+        HiSparse (engine/hisparse_plan.py): the c4 space is the host mirror, outside the device
+        budget, which pays the hot buffers instead.
         """
         P = self.block_size
         seqs = self.config.max_num_seqs
+        mirror = [s for s in specs if self.hisparse is not None and s.name == self.hisparse.space]
+        specs = [s for s in specs if s not in mirror]
         whole = [s for s in specs if not s.windowed]
         windowed = [s for s in specs if s.windowed]
         # Each running sequence holds its window plus the page it is computing; one step's chunk more.
@@ -273,8 +288,16 @@ class LLMEngine:
 
         budget = self.config.kv_cache_memory_bytes
         n_default = -(-seqs * (self.max_model_len + P) // P)
+        hot = self.hisparse.device_bytes if self.hisparse is not None else 0
         if budget is None:
-            budget = min(DEFAULT_KV_CACHE_CAP_BYTES, cost(n_default))
+            budget = min(DEFAULT_KV_CACHE_CAP_BYTES, cost(n_default) + hot)
+        if self.hisparse is not None:
+            budget -= hot
+            if budget <= 0:
+                raise ValueError(
+                    f"kv_cache_memory_bytes={self.config.kv_cache_memory_bytes} does not hold the HiSparse hot "
+                    f"buffers ({self.hisparse.device_bytes} bytes: max_num_seqs={seqs} x hot_buffer_size="
+                    f"{self.hisparse.hot_buffer_size} entries); raise it or lower max_num_seqs")
         if not whole:  # every space is windowed (e.g. Mistral): they share the whole budget
             n = max(1, budget // sum(s.bytes_per_page(P) for s in specs))
             if self.config.kv_cache_memory_bytes is None:
@@ -286,6 +309,9 @@ class LLMEngine:
             lo, hi = (mid, hi) if cost(mid) <= budget else (lo, mid - 1)
         pages = {s.name: lo for s in whole}
         pages.update({s.name: max(1, min(lo + seqs, cap[s.name])) for s in windowed})
+        for s in mirror:
+            limit = self.hisparse.mirror_pages(s.bytes_per_page(P))
+            pages[s.name] = lo if limit is None else min(lo, limit)
         return pages
 
     # -- requests ------------------------------------------------------------------------------
@@ -404,6 +430,8 @@ class LLMEngine:
             if not req.finished:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             self._request_to_group.pop(req.request_id, None)
+            if self.kv.hisparse is not None:
+                self.kv.hisparse.forget(req.request_id)
         self._flush_tier_transfers()  # its pages' host copies, decided as it left
 
     def has_unfinished_requests(self) -> bool:
@@ -531,10 +559,13 @@ class LLMEngine:
                 group.sent_prompt_logprobs = True
         if delta and not outputs and not finished:
             return None
+        metrics = self._metrics(group)
         if finished:
             self._groups.pop(group.request_id, None)
             for r in group.children:
                 self._request_to_group.pop(r.request_id, None)
+                if self.kv.hisparse is not None:
+                    self.kv.hisparse.forget(r.request_id)
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -543,7 +574,7 @@ class LLMEngine:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=max(0, lead.num_cached_tokens),
-            metrics=self._metrics(group),
+            metrics=metrics,
         )
 
     def _metrics(self, group: _Group) -> dict:
@@ -561,7 +592,16 @@ class LLMEngine:
             "prompt_tokens_from_storage": lead.num_storage_cached_tokens,
             "prompt_tokens_computed": len(lead.prompt_token_ids) - max(0, lead.num_cached_tokens),
             "cached_tokens_per_space": dict(lead.cached_tokens_per_space),
+            **self._hisparse_metrics(group),
         }
+
+    def _hisparse_metrics(self, group: _Group) -> dict:
+        """HiSparse: the share of the request's selected C4 entries found in its hot buffers."""
+        if self.kv.hisparse is None:
+            return {}
+        counts = [self.kv.hisparse.request_counts(r.request_id) for r in group.children]
+        lookups, hits = sum(c[0] for c in counts), sum(c[1] for c in counts)
+        return {"hisparse_lookups": lookups, "hisparse_hit_rate": hits / lookups if lookups else None}
 
     # -- introspection -------------------------------------------------------------------------
     def check_invariants(self) -> None:

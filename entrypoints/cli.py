@@ -12,12 +12,13 @@ import sys
 # call LLM(..., allow_pickle_weights=True) from Python when the checkpoint is trusted.
 CLI_EXCLUDED_LLM_KWARGS = frozenset({"allow_pickle_weights"})
 
-DEFAULT_ATTENTION_BACKEND = "torch_native"
+DEFAULT_ATTENTION_BACKEND = "auto"
 # A server's streams should not freeze behind someone's long prompt: a step's target time.
 SERVE_TARGET_STEP_SECONDS = 0.25
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from hybridkv.attention_backends.registry import ATTENTION_BACKEND_CHOICES
     from hybridkv.block_manager.eviction_policy import POLICIES as EVICTION_POLICIES
     from hybridkv.engine.scheduling_policy import POLICIES as SCHEDULING_POLICIES
 
@@ -42,8 +43,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--windowed-match", action=argparse.BooleanOptionalAction, default=True,
                    help="keep matching a cached prefix after some of its sliding-window pages are gone "
                         "(--no-windowed-match: the baseline that drops such a prefix)")
-    p.add_argument("--attention-backend", default=DEFAULT_ATTENTION_BACKEND,
-                   help=f"attention backend by registry name (default: {DEFAULT_ATTENTION_BACKEND})")
+    p.add_argument("--attention-backend", default=DEFAULT_ATTENTION_BACKEND, choices=list(ATTENTION_BACKEND_CHOICES),
+                   help="auto: triton on CUDA when the triton package imports, else torch_native; "
+                        "xformers needs CUDA; triton on CPU only under TRITON_INTERPRET=1 "
+                        f"(default: {DEFAULT_ATTENTION_BACKEND})")
     p.add_argument("--dequantize-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="FP8/FP4 checkpoints: dequantize once at load (faster, 2-4x the memory) instead of "
                         "keeping weights compressed (default: compressed)")
@@ -72,20 +75,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     h.add_argument("--hicache-storage-prefetch-policy", default="timeout",
                    choices=["best_effort", "wait_complete", "timeout"],
                    help="how long a request waits for its prefix to be read from the store (default: timeout)")
-
-
-def _engine_accepts(name: str) -> bool:
-    """Whether both LLM(...) and EngineConfig take keyword `name` (generate builds an LLM,
-    serve an EngineConfig), so a flag can be added before every engine option exists."""
-    import dataclasses
-    import inspect
-
-    from hybridkv.engine.config import EngineConfig
-    from hybridkv.entrypoints.llm import LLM
-
-    return name in inspect.signature(LLM.__init__).parameters and name in {
-        f.name for f in dataclasses.fields(EngineConfig)
-    }
+    hs = p.add_argument_group("HiSparse (DeepSeek-V4: decode keeps a hot buffer of C4 entries on the device)")
+    hs.add_argument("--enable-hisparse", action="store_true",
+                    help="the full C4 history lives in a host mirror; outputs are unchanged")
+    hs.add_argument("--hisparse-config", default=None,
+                    help='JSON, e.g. \'{"hot_buffer_size": 1024, "mirror_bytes": 8589934592}\' '
+                         "(hot_buffer_size default: 2 x the model's index_topk)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -122,13 +117,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         hicache_storage_dir=args.hicache_storage_dir,
         hicache_storage_prefetch_policy=args.hicache_storage_prefetch_policy,
         dequantize_weights=args.dequantize_weights,
+        attention_backend=args.attention_backend,
+        enable_hisparse=args.enable_hisparse,
+        hisparse_config=args.hisparse_config,
     )
-    if _engine_accepts("attention_backend"):
-        kwargs["attention_backend"] = args.attention_backend
-    elif args.attention_backend != DEFAULT_ATTENTION_BACKEND:
-        raise ValueError(
-            f"--attention-backend {args.attention_backend!r}: this build has only {DEFAULT_ATTENTION_BACKEND!r}"
-        )
     return kwargs
 
 

@@ -26,6 +26,14 @@ class LLM:
     process and can be shared by several (hicache_storage_backend_extra_config: JSON or dict,
     e.g. {"url": "redis://127.0.0.1:6379/0"}; hicache_storage_dir for "file").
 
+    enable_hisparse (DeepSeek-V4): during decode each request keeps only a hot buffer of C4
+    entries per CSA layer on the device (hisparse_config={"hot_buffer_size": entries, default
+    2 x index_topk; "mirror_bytes": host memory for the full C4 history}); outputs are unchanged.
+
+    attention_backend: "auto" (default: "triton" on CUDA when triton imports, else "torch_native"),
+    "torch_native", "triton" (CUDA, or CPU under TRITON_INTERPRET=1) or "xformers" (CUDA). One that
+    cannot run here raises before the model loads, naming what is missing.
+
     block_size: tokens per KV page; None (the default) takes the model's default page size (16
     for dense models, 128 for DeepSeek-V4). An explicit size the model cannot use (not a multiple
     of its compression ratios) raises ValueError naming the sizes it can use.
@@ -49,7 +57,7 @@ class LLM:
         scheduling_policy: str = "fcfs",
         eviction_policy: str = "lru",
         windowed_match: bool = True,
-        attention_backend: str = "torch_native",
+        attention_backend: str = "auto",
         enable_hierarchical_cache: bool = False,
         hicache_ratio: float = 2.0,
         hicache_size: int | None = None,
@@ -62,6 +70,8 @@ class LLM:
         hicache_storage_dir: str | None = None,
         hicache_storage_prefetch_policy: str = "timeout",
         dequantize_weights: bool | None = None,
+        enable_hisparse: bool = False,
+        hisparse_config: str | dict | None = None,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -93,6 +103,8 @@ class LLM:
                 hicache_storage_dir=hicache_storage_dir,
                 hicache_storage_prefetch_policy=hicache_storage_prefetch_policy,
                 dequantize_weights=dequantize_weights,
+                enable_hisparse=enable_hisparse,
+                hisparse_config=hisparse_config,
             )
         )
 

@@ -72,7 +72,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         seed: int = 0,
         allow_pickle_weights: bool = False,
-        attention_backend: str = "torch_native",
+        attention_backend: str = "auto",
         device: torch.device | str = "cpu",
         dequantize_weights: bool | None = None,
     ) -> None:
@@ -92,12 +92,16 @@ class ModelRunner:
                 f"max_model_len {max_model_len} is longer than the model's max_position_embeddings {model_max}"
             )
         self.max_model_len = max_model_len
-        # Resolved before the (slow) load so a typo fails fast, listing the choices.
-        self.backend = get_attention_backend(attention_backend)
+        # Resolved before the (slow) load: a typo (listing the choices) or a backend that cannot
+        # run here (naming the missing device or package) fails fast. "auto" -> a concrete name,
+        # logged; models with their own attention (DeepSeek-V4) read attention_backend_name.
+        self.backend = get_attention_backend(attention_backend, self.device)
+        self.attention_backend_name: str = self.backend.name
         cls = resolve_model_class(self.config)
         t0 = time.perf_counter()
         with self.device, SkipRandomInit():  # every weight comes from the checkpoint
             model: CausalLM = cls(self.config, max_positions=max_model_len)
+        model.attention_backend_name = self.attention_backend_name
         quantized_names: list[str] = []
         model.load_weights(attach_block_scales(
             iter_weights(model_dir, allow_pickle=allow_pickle_weights), self.quantization,
@@ -165,7 +169,7 @@ class ModelRunner:
         for name in self.windows:
             bt = kv.block_tables[name]
             tables[name] = bt.rows(rows, min(pages, bt.width))
-        return StepSequences([s.end - s.start for s in items], ctx, tables)
+        return StepSequences([s.end - s.start for s in items], ctx, tables, [s.request_id for s in items])
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> RunnerOutput:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybridkv.attention_backends.hisparse_reads import HiSparseLayer, prepare_layer
 from hybridkv.attention_backends.hybrid_metadata import C4, C128, INDEXER, HybridAttentionMetadata
 from hybridkv.attention_backends.hybrid_v4 import HybridV4Attention, IndexerQuery, write_slots
 from hybridkv.model_executor.models.deepseek_v4.compressor import Compressor
@@ -41,6 +42,17 @@ class V4LayerCache:
     swa: torch.Tensor  # [swa slots, D]
     compressor: CompressorCache | None = None  # c4 (CSA) or c128 (HCA) entries
     indexer: CompressorCache | None = None  # indexer keys (CSA)
+    hot: torch.Tensor | None = None  # HiSparse: this CSA layer's hot buffers (c4 entries then = the mirror)
+    hot_layer: int = 0  # its ordinal among the CSA layers (HotBuffers' layer index)
+
+
+def hybrid_backend(attention_backend: str | None) -> HybridV4Attention:
+    """The V4 layers' backend for the runner's choice: the Triton kernels when it is "triton"."""
+    if attention_backend == "triton":
+        from hybridkv.attention_backends.triton_attention.hybrid_v4 import TritonHybridV4Attention
+
+        return TritonHybridV4Attention()
+    return HybridV4Attention()
 
 
 class V4Attention(nn.Module):
@@ -99,18 +111,22 @@ class V4Attention(nn.Module):
         kv = self.rope(self.norm(self.wkv(x)), positions)
         write_slots(cache.swa, meta.swa_slot_mapping, kv)
 
-        entry_cache, entry_space, indexer_query = None, None, None
+        entry_cache, entry_space, indexer_query, hisparse = None, None, None, None
         if self.layer_type == CSA:
             self._compress(self.compressor, cache.compressor, x, meta, C4)
             self._compress(self.indexer.compressor, cache.indexer, x, meta, INDEXER)
             iq, iw = self.indexer.queries(x, q_latent, positions)
             indexer_query = IndexerQuery(iq, iw, cache.indexer.entries, INDEXER, self.indexer.topk, self.indexer.scale)
             entry_cache, entry_space = cache.compressor.entries, C4
+            if cache.hot is not None and meta.hisparse is not None:
+                hisparse = HiSparseLayer(meta.hisparse, cache.hot_layer, cache.hot)
+                prepare_layer(meta.hisparse, cache.hot_layer, cache.hot, entry_cache)
         elif self.layer_type == HCA:
             self._compress(self.compressor, cache.compressor, x, meta, C128)
             entry_cache, entry_space = cache.compressor.entries, C128
 
-        o = self.backend.forward(q, cache.swa, meta, self.attn_sink, self.scale, entry_cache, entry_space, indexer_query)
+        o = self.backend.forward(q, cache.swa, meta, self.attn_sink, self.scale, entry_cache, entry_space, indexer_query,
+                                 hisparse)
         o = self.rope(o, positions, inverse=True)
         G = self.o_groups
         grouped = o.reshape(T, G, -1)  # heads are contiguous within a group

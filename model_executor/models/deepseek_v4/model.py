@@ -15,10 +15,13 @@ from torch import nn
 from hybridkv.attention_backends.hybrid_metadata import (
     C4, C128, INDEXER, STATE, SWA, HybridAttentionMetadata, HybridLayout, build_hybrid_metadata,
 )
+from hybridkv.attention_backends.hisparse_reads import build_hisparse_step
 from hybridkv.attention_backends.metadata import StepSequences
 from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
 from hybridkv.model_executor.models.base import CausalLM
-from hybridkv.model_executor.models.deepseek_v4.attention import CompressorCache, V4Attention, V4LayerCache
+from hybridkv.model_executor.models.deepseek_v4.attention import (
+    CompressorCache, V4Attention, V4LayerCache, hybrid_backend,
+)
 from hybridkv.model_executor.models.deepseek_v4.config import CSA, V4Config
 from hybridkv.model_executor.models.deepseek_v4.mhc import HyperConnection, HyperHead
 from hybridkv.model_executor.models.deepseek_v4.moe import V4MoE
@@ -66,6 +69,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(V4DecoderLayer(cfg, i, main_rope, compress_rope) for i in range(cfg.num_layers))
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
+        self.hot_buffers = None  # HiSparse HotBuffers, bound by allocate_kv_cache when enabled
         self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -109,6 +113,10 @@ class DeepseekV4ForCausalLM(CausalLM):
             attention.append(AttentionCost(n_hca * per_key, stride=cfg.hca_ratio))
         return StepCost(2.0 * active + n_csa * per_key * cfg.index_topk, tuple(attention), 2.0 * self.logits_params())
 
+    def hisparse_layers(self) -> tuple[int, int] | None:
+        """(CSA layers, index_topk): what HiSparse hot buffers are sized by; None without CSA layers."""
+        return (self.cfg.num_csa_layers, self.cfg.index_topk) if self.cfg.num_csa_layers else None
+
     def layout(self, page_size: int) -> HybridLayout:
         cfg = self.cfg
         return HybridLayout(
@@ -121,7 +129,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         self, kv, backend, dtype: torch.dtype, device: torch.device
     ) -> dict[str, list[torch.Tensor]]:
         """Allocate every space's tensors and bind each layer's views. V4's layers use their own
-        hybrid backend (HybridV4Attention), so `backend` is not used. Uninitialised except the
+        hybrid backend (HybridV4Attention, or its Triton kernels when `backend` is the Triton
+        one: hybrid_backend), not `backend` itself (None is fine). Uninitialised except the
         null page: every masked or padded read of the hybrid metadata points at its slot 0.
         Returns every tensor of each space (swa; c4/c128 and indexer per layer; state x2 per
         compressor), slots on dim -2: a page copy to the host tier must cover all of them."""
@@ -138,9 +147,16 @@ class DeepseekV4ForCausalLM(CausalLM):
 
         D, cI = self.cfg.head_dim, self.cfg.index_head_dim
         swa = pool(SWA, self.cfg.num_layers, slots[SWA], D, dtype=dtype)
+        # HiSparse: the c4 pool above is the host mirror; each CSA layer gets a device hot buffer.
+        self.hot_buffers = getattr(kv, "hisparse", None)
+        csa_ordinal = 0
         for i, layer in enumerate(self.layers):
             attn = layer.attn
             cache = V4LayerCache(swa=swa[i])
+            if attn.layer_type == CSA and self.hot_buffers is not None:
+                cache.hot = torch.zeros(self.hot_buffers.num_slots, D, dtype=dtype, device=device)
+                cache.hot_layer = csa_ordinal
+                csa_ordinal += 1
             if attn.compressor is not None:
                 width = attn.compressor.row_width
                 space = C4 if attn.layer_type == CSA else C128
@@ -157,6 +173,7 @@ class DeepseekV4ForCausalLM(CausalLM):
                     pool(INDEXER, slots[INDEXER], cI, dtype=dtype),
                 )
             attn.cache = cache
+            attn.backend = hybrid_backend(getattr(backend, "name", None))
         return {name: ts for name, ts in caches.items() if ts}
 
     def build_attention_metadata(
@@ -164,7 +181,11 @@ class DeepseekV4ForCausalLM(CausalLM):
     ) -> HybridAttentionMetadata:
         """Per-step slot mappings, compression plans and query blocks (the windows are the
         model's own: HybridLayout carries them)."""
-        return build_hybrid_metadata(seqs, self.layout(page_size))
+        layout = self.layout(page_size)
+        meta = build_hybrid_metadata(seqs, layout)
+        if self.hot_buffers is not None:
+            meta.hisparse = build_hisparse_step(seqs, meta, layout, self.hot_buffers)
+        return meta
 
     def cast_to(self, dtype: torch.dtype) -> None:
         """Cast to the model dtype except the tensors V4 keeps in float32."""

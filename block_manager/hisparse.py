@@ -1,0 +1,178 @@
+"""HiSparse bookkeeping: per-request hot buffers of C4 entries over a host mirror.
+
+During decode a CSA layer reads only the lightning indexer's top-k C4 entries, and adjacent
+steps pick mostly the same ones. So with HiSparse the request's full C4 history stays in the
+mirror (the c4 space's pages, held in host memory and charged to the host budget) and each
+decoding request keeps, per CSA layer, a device buffer of `size` entry slots. Per step and
+layer, after the top-k:
+
+    hits    selected entries already in the buffer: read where they are;
+    misses  each gets the least-recently-used slot that the current selection does not need
+            (empty slots first), and is copied in from the mirror by the caller.
+
+New entries (one per csa_ratio decoded tokens) and, when a request starts decoding, its most
+recent `size` entries go through the same assignment (`insert`), so a history that fits the
+buffer is never copied again: every selection is a hit.
+
+This module only decides (which slot holds which entry, what to copy); the model's layers
+execute the copies and read the buffer. Everything is batched tensor work over the rows of a
+step (no per-request Python loop inside a layer): a sort plus a searchsorted per row for the
+hits, one argsort over the LRU clock for the victims -- O(size log size) per row and layer,
+never O(context).
+
+Buffer slot 0 is a null slot (zeros, never assigned): every padded or invalid selection reads
+it, as the paged spaces' null page.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NO_ENTRY = -1
+
+
+@dataclass
+class HiSparseStats:
+    lookups: int = 0  # selected entries looked up in a buffer
+    hits: int = 0  # of them, found there
+    loaded: int = 0  # misses copied in from the mirror
+    inserted: int = 0  # new and hand-off entries written into buffers
+    handoffs: int = 0  # requests that started decoding with a hot buffer
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 1.0
+
+
+@dataclass
+class Assignment:
+    """Where each requested entry is in the buffer after an assign/insert."""
+
+    slots: torch.Tensor  # [n, k] global buffer slots (0 = the null slot where the entry was -1)
+    missed: torch.Tensor  # [n, k] bool: the caller copies these entries in from the mirror
+
+
+class HotBuffers:
+    """Which C4 entry each buffer slot holds, per CSA layer and buffer row, with an LRU clock."""
+
+    def __init__(self, num_layers: int, max_requests: int, size: int, topk: int) -> None:
+        if size < topk:
+            raise ValueError(f"hisparse hot_buffer_size {size} is smaller than the model's index_topk {topk}: "
+                             "one step's selection must fit in the buffer")
+        self.num_layers, self.max_requests, self.size, self.topk = num_layers, max_requests, size, topk
+        self.entry = torch.full((num_layers, max_requests, size), NO_ENTRY, dtype=torch.long)
+        self.last_use = torch.zeros((num_layers, max_requests, size), dtype=torch.long)
+        self.clock = 0
+        self.stats = HiSparseStats()
+        self._rows: dict[str, int] = {}
+        self._free = list(range(max_requests - 1, -1, -1))
+        # Per-request [lookups, hits] for the request report: kept across preemptions (a row is
+        # released then), dropped by forget() when the request is done.
+        self._per_request: dict[str, list[int]] = {}
+
+    @property
+    def num_slots(self) -> int:
+        """Slots of one layer's buffer tensor: the null slot plus size per buffer row."""
+        return 1 + self.max_requests * self.size
+
+    @property
+    def num_active(self) -> int:
+        return len(self._rows)
+
+    # -- rows ---------------------------------------------------------------------------------
+    def row_of(self, request_id: str) -> int | None:
+        return self._rows.get(request_id)
+
+    def acquire(self, request_id: str) -> int:
+        """A buffer row for a request that starts decoding (every slot empty)."""
+        if not self._free:
+            raise RuntimeError(f"no free hot-buffer row for {request_id!r}: more decoding requests than "
+                               f"max_num_seqs={self.max_requests}")
+        row = self._free.pop()
+        self._rows[request_id] = row
+        self._per_request.setdefault(request_id, [0, 0])
+        self.stats.handoffs += 1
+        return row
+
+    def release(self, request_id: str) -> None:
+        """The request left the device (finished, preempted, aborted): its row is emptied."""
+        row = self._rows.pop(request_id, None)
+        if row is None:
+            return
+        self.entry[:, row].fill_(NO_ENTRY)
+        self.last_use[:, row].zero_()
+        self._free.append(row)
+
+    def request_counts(self, request_id: str) -> tuple[int, int]:
+        """(lookups, hits) of the request's selections so far."""
+        c = self._per_request.get(request_id, (0, 0))
+        return c[0], c[1]
+
+    def forget(self, request_id: str) -> None:
+        self._per_request.pop(request_id, None)
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._per_request)
+
+    # -- assignment ---------------------------------------------------------------------------
+    def assign(self, layer: int, rows: torch.Tensor, entries: torch.Tensor, request_ids: list[str] | None = None,
+               insert: bool = False) -> Assignment:
+        """Place entries [n, k] (NO_ENTRY = nothing) of buffer rows [n] (distinct) in layer's
+        buffers: hits keep their slot, misses take LRU slots no entry of this call needs.
+        Every placed slot becomes the most recently used. insert=True counts the misses as
+        inserted (new / hand-off entries) instead of loaded (selection misses)."""
+        n, k = entries.shape
+        S = self.size
+        if k > S:
+            raise ValueError(f"{k} entries at once do not fit a hot buffer of {S}")
+        if n == 0 or k == 0:
+            return Assignment(torch.zeros(n, k, dtype=torch.long), torch.zeros(n, k, dtype=torch.bool))
+        held = self.entry[layer, rows]  # [n, S]
+        used = self.last_use[layer, rows]
+        valid = entries != NO_ENTRY
+        ordered, order = held.sort(dim=1)
+        pos = torch.searchsorted(ordered, entries).clamp(max=S - 1)
+        found = valid & (ordered.gather(1, pos) == entries)
+        hit_slot = order.gather(1, pos)
+        # Victims: empty slots first, then least recently used; slots holding a hit never.
+        protected = torch.zeros(n, S + 1, dtype=torch.bool)
+        protected.scatter_(1, torch.where(found, hit_slot, S), True)
+        key = torch.where(held == NO_ENTRY, -1, used)
+        key = key.masked_fill(protected[:, :S], torch.iinfo(torch.long).max)
+        victims = key.argsort(dim=1, stable=True)
+        missed = valid & ~found
+        rank = (torch.cumsum(missed, dim=1) - 1).clamp(min=0)
+        slot = torch.where(found, hit_slot, victims.gather(1, rank))
+        self.clock += 1
+        write = torch.where(valid, slot, S)  # column S: a scratch column for the invalid ones
+        held = torch.cat([held, held.new_full((n, 1), NO_ENTRY)], dim=1).scatter_(1, write, entries)
+        used = torch.cat([used, used.new_zeros(n, 1)], dim=1).scatter_(1, write, self.clock)
+        self.entry[layer, rows] = held[:, :S]
+        self.last_use[layer, rows] = used[:, :S]
+        n_valid, n_found = int(valid.sum()), int(found.sum())
+        if insert:
+            self.stats.inserted += n_valid - n_found
+        else:
+            self.stats.lookups += n_valid
+            self.stats.hits += n_found
+            self.stats.loaded += n_valid - n_found
+            if request_ids is not None:
+                v, f = valid.sum(dim=1).tolist(), found.sum(dim=1).tolist()
+                for rid, a, b in zip(request_ids, v, f):
+                    c = self._per_request[rid]
+                    c[0] += a
+                    c[1] += b
+        glob = torch.where(valid, 1 + rows[:, None] * S + slot, 0)
+        return Assignment(glob, missed)
+
+    def check_invariants(self) -> None:
+        """No entry twice in one buffer row; free rows are empty."""
+        for layer in range(self.num_layers):
+            for row in self._free:
+                assert bool((self.entry[layer, row] == NO_ENTRY).all()), f"free hot-buffer row {row} holds entries"
+            for rid, row in self._rows.items():
+                held = self.entry[layer, row]
+                held = held[held != NO_ENTRY]
+                assert held.unique().numel() == held.numel(), f"{rid}: an entry sits twice in layer {layer}'s buffer"

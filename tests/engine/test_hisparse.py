@@ -1,0 +1,155 @@
+"""HiSparse end to end on tiny DeepSeek-V4 checkpoints: decode reads C4 entries from per-request
+hot buffers over the host mirror, and nothing about the output changes.
+
+Invariants checked:
+- greedy tokens and logprobs with HiSparse equal those without, on both V4 test configs, for
+  prompts whose C4 history is many times the buffer, in mixed-length batches, with chunked
+  prefill, with prefix hits and under preemption;
+- a buffer of exactly top-k (misses nearly every step) and one that holds every entry (no
+  loads at all after the hand-off) both give the reference output;
+- at equal kv_cache_memory_bytes, the device's whole-history spaces get more pages (the c4
+  mirror is charged to host memory), and a mirror_bytes limit is what bounds the c4 space;
+- configurations that cannot work are refused with errors naming the problem;
+- every engine ends idle (conftest): no hot-buffer row is left held.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.entrypoints import LLM, SamplingParams
+from prefix_hit_helpers import LOGPROB_ATOL, sampled_logprobs
+from tiny_deepseek_v4 import build_v4_checkpoint, single_thread
+
+V4_CONFIGS = {
+    "w16_topk8": dict(),
+    "w40_topk5": dict(sliding_window=40, index_topk=5),
+}
+
+
+@pytest.fixture(scope="module")
+def v4_path(tmp_path_factory):
+    built: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            built[name] = build_v4_checkpoint(str(tmp_path_factory.mktemp(f"v4hs_{name}")), **V4_CONFIGS[name])
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
+
+
+def _prompts(lengths, seed=0, vocab=200):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _generate(llm: LLM, prompts, max_tokens: int):
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+
+
+def _same(got, want) -> None:
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids, "HiSparse changed the greedy tokens"
+        torch.testing.assert_close(torch.tensor(sampled_logprobs(g)), torch.tensor(sampled_logprobs(w)),
+                                   atol=LOGPROB_ATOL, rtol=0)
+
+
+KW = dict(dtype="float32", block_size=32, max_model_len=2048, max_num_seqs=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(V4_CONFIGS))
+def test_long_mixed_batch_with_chunked_prefill_equals_hisparse_off(v4_path, name):
+    """Prompts up to 1,500 tokens (375 C4 entries, ~23x a 16-entry buffer), prefilled in
+    256-token chunks, decoded side by side."""
+    path = v4_path(name)
+    prompts = _prompts([1500, 90, 700])
+    want = _generate(LLM(path, max_num_batched_tokens=256, **KW), prompts, 20)
+    llm = LLM(path, max_num_batched_tokens=256, enable_hisparse=True, hisparse_config={"hot_buffer_size": 16}, **KW)
+    got = _generate(llm, prompts, 20)
+    _same(got, want)
+    st = llm.engine.kv.hisparse.stats
+    assert st.loaded > 0 and st.handoffs == 3, st
+    assert all(o.metrics["hisparse_hit_rate"] is not None for o in got)
+
+
+@pytest.mark.parametrize("name", list(V4_CONFIGS))
+def test_buffer_of_exactly_topk_and_buffer_that_holds_everything(v4_path, name):
+    path = v4_path(name)
+    topk = {"w16_topk8": 8, "w40_topk5": 5}[name]
+    prompts = _prompts([400, 130], seed=1)
+    want = _generate(LLM(path, **KW), prompts, 16)
+    tight = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": topk}, **KW)
+    _same(_generate(tight, prompts, 16), want)
+    st = tight.engine.kv.hisparse.stats
+    assert st.loaded > st.lookups // 4, f"a buffer of top-k should miss often: {st}"
+    roomy = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 128}, **KW)
+    _same(_generate(roomy, prompts, 16), want)
+    st = roomy.engine.kv.hisparse.stats
+    assert st.loaded == 0 and st.hits == st.lookups > 0, f"every entry fits: nothing may be loaded: {st}"
+
+
+def test_prefix_hit_then_decode_equals_hisparse_off(v4_path):
+    path = v4_path("w16_topk8")
+    base = _prompts([320], seed=2)[0]
+    longer = base + _prompts([70], seed=3)[0]
+    ref = LLM(path, enable_prefix_caching=False, **KW)
+    want = [_generate(ref, [base], 12)[0], _generate(ref, [longer], 12)[0]]
+    llm = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 12}, **KW)
+    first = _generate(llm, [base], 12)[0]
+    second = _generate(llm, [longer], 12)[0]
+    assert second.num_cached_tokens >= 288, "the second prompt should hit the first's cached pages"
+    _same([first, second], want)
+
+
+def test_preemption_equals_hisparse_off(v4_path):
+    """A device budget that holds about two of the four sequences: requests are preempted (their
+    hot-buffer rows released) and resume with a fresh hand-off."""
+    path = v4_path("w16_topk8")
+    prompts = _prompts([300, 280, 260, 240], seed=4)
+    kw = dict(KW, max_model_len=384, max_num_batched_tokens=64)
+    want = _generate(LLM(path, **kw), prompts, 40)
+    # Windowed spaces: 14 pages (4 x 3 + one 64-token chunk); whole-history: ~24 pages with
+    # HiSparse (about two sequences of 340 tokens), 12 without.
+    llm = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 10}, kv_cache_memory_bytes=1_073_152,
+              **kw)
+    got = _generate(llm, prompts, 40)
+    assert llm.engine.scheduler.num_preemptions > 0, "the budget forced no preemption"
+    _same(got, want)
+
+
+def test_equal_device_budget_gives_more_device_pages_and_the_mirror_bounds_c4(v4_path):
+    path = v4_path("w16_topk8")
+    # Windowed spaces capped at 8 pages (2 x 3 + one 64-token chunk), so the rest of the budget
+    # goes to the whole-history spaces: c4 is 2/3 of their bytes in this config.
+    kw = dict(KW, max_model_len=512, max_num_seqs=2, max_num_batched_tokens=64, kv_cache_memory_bytes=700_000)
+    off = LLM(path, **kw).engine.kv.spaces
+    on = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 16}, **kw).engine.kv.spaces
+    assert on["indexer"].num_pages > off["indexer"].num_pages and on["c128"].num_pages > off["c128"].num_pages
+    assert on["c4"].num_pages == on["indexer"].num_pages
+    c4_page = LLM(path, **kw).engine.kv.specs["c4"].bytes_per_page(32)
+    capped = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 16, "mirror_bytes": 20 * c4_page},
+                 **kw).engine.kv.spaces
+    assert capped["c4"].num_pages == 20
+
+
+def test_configurations_that_cannot_work_are_refused(v4_path, tiny_ckpt):
+    path = v4_path("w16_topk8")
+    with pytest.raises(ValueError, match="smaller than the model's index_topk"):
+        LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 4}, **KW)
+    with pytest.raises(ValueError, match="unknown hisparse_config key"):
+        LLM(path, enable_hisparse=True, hisparse_config={"buffer": 4}, **KW)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        LLM(path, enable_hisparse=True, hisparse_config="{hot_buffer_size: 4", **KW)
+    with pytest.raises(ValueError, match="enable_hisparse is False"):
+        LLM(path, hisparse_config={"hot_buffer_size": 16}, **KW)
+    with pytest.raises(ValueError, match="compressed sparse attention"):
+        LLM(tiny_ckpt("llama"), dtype="float32", max_model_len=256, enable_hisparse=True)
