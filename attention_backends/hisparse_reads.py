@@ -31,7 +31,6 @@ from hybridkv.block_manager.hisparse import NO_ENTRY, HotBuffers
 class HiSparseStep:
     buffers: HotBuffers
     rows: torch.Tensor  # [nd] buffer row of each decode sequence
-    request_ids: list[str]  # the decode sequences'
     # Requests that start decoding this step: their rows and the entries / mirror slots to insert
     # (padded with NO_ENTRY / NULL_SLOT), [h] and [h, m].
     handoff_rows: torch.Tensor
@@ -42,7 +41,6 @@ class HiSparseStep:
     new_rows: torch.Tensor
     new_entries: torch.Tensor
     new_slots: torch.Tensor
-    entry_bytes: int = 0  # bytes of one C4 entry (the loaded-bytes metric)
 
 
 def build_hisparse_step(seqs: StepSequences, meta: HybridAttentionMetadata, layout: HybridLayout,
@@ -87,7 +85,7 @@ def build_hisparse_step(seqs: StepSequences, meta: HybridAttentionMetadata, layo
         new_rows = rows_t[plan.seq[take]]
         new_entries = plan.entry[take][:, None]
         new_slots = plan.out_slots[C4][take]
-    return HiSparseStep(buffers, rows_t, ids, h_rows, h_entries, h_slots, new_rows, new_entries, new_slots)
+    return HiSparseStep(buffers, rows_t, h_rows, h_entries, h_slots, new_rows, new_entries, new_slots)
 
 
 @dataclass
@@ -122,7 +120,6 @@ def select_from_buffer(step: HiSparseStep, layer: int, hot: torch.Tensor, mirror
     """Decode rows [start, end): the selected columns idx [n, k] of their causal C4 entries
     (entry w = column w), read from the hot buffer after copying the misses in."""
     valid = idx < entries.visible[:, None]
-    a = step.buffers.assign(layer, step.rows[start:end], torch.where(valid, idx, NO_ENTRY),
-                            request_ids=step.request_ids[start:end])
+    a = step.buffers.assign(layer, step.rows[start:end], torch.where(valid, idx, NO_ENTRY))
     _copy_in(hot, mirror, a.slots, a.missed, entries.slots.gather(1, idx))
     return KeySet(a.slots, explicit_mask=valid)

@@ -136,7 +136,7 @@ class OverlapRecorder:
         self.shared = self.total = 0
         inner = buffers.assign
 
-        def assign(layer, rows, entries, request_ids=None, insert=False):
+        def assign(layer, rows, entries, insert=False):
             if not insert:
                 for r, sel in zip(rows.tolist(), entries.tolist()):
                     cur = {e for e in sel if e >= 0}
@@ -145,7 +145,7 @@ class OverlapRecorder:
                         self.shared += len(cur & before)
                         self.total += len(cur)
                     self.prev[(layer, r)] = cur
-            return inner(layer, rows, entries, request_ids, insert)
+            return inner(layer, rows, entries, insert)
 
         buffers.assign = assign
 
@@ -185,15 +185,15 @@ def run(llm: LLM, ps: list[list[int]], max_tokens: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--context", type=int, default=None, help="prompt tokens in parts 2-4 (default 1024; quick 256)")
-    ap.add_argument("--output-tokens", type=int, default=None, help="generated per request (default 32; quick 12)")
+    ap.add_argument("--context", type=int, default=None, help="prompt tokens in parts 2-4 (default 1024; quick 128)")
+    ap.add_argument("--output-tokens", type=int, default=None, help="generated per request (default 32; quick 8)")
     ap.add_argument("--measured-mib", type=float, default=32.0, help="device KV budget of part 2 (MiB)")
     ap.add_argument("--device-mib", type=float, default=128.0, help="device KV budget of part 1 (MiB)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
-    C = args.context or (256 if args.quick else 1024)
-    O = args.output_tokens or (12 if args.quick else 32)
+    C = args.context or (128 if args.quick else 1024)
+    O = args.output_tokens or (8 if args.quick else 32)
     contexts = [4096, 16384] if args.quick else [16384, 32768, 65536, 131072]
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -264,7 +264,7 @@ def _bench(args, model: str, C: int, O: int, contexts: list[int]) -> int:
 
     print("\n5. small case: one 128-token prompt decoding alone:")
     ps4 = prompts(1, 128, 4, vocab)
-    steps = 64 if not args.quick else 24
+    steps = 64 if not args.quick else 12
     small_off = run(LLM(model, **engine_kw(128 + steps, 1, None, None)), ps4, steps)
     small_on = run(LLM(model, **engine_kw(128 + steps, 1, None, 2 * topk)), ps4, steps)
     identical &= small_off["tokens"] == small_on["tokens"]

@@ -67,8 +67,10 @@ class HotBuffers:
         self.stats = HiSparseStats()
         self._rows: dict[str, int] = {}
         self._free = list(range(max_requests - 1, -1, -1))
-        # Per-request [lookups, hits] for the request report: kept across preemptions (a row is
-        # released then), dropped by forget() when the request is done.
+        # Per-row [lookups, hits] of the current holder (tensor adds inside a layer, no Python
+        # loop over requests), folded into per-request totals when the row is released; those
+        # are kept across preemptions and dropped by forget() when the request is done.
+        self._row_counts = torch.zeros(max_requests, 2, dtype=torch.long)
         self._per_request: dict[str, list[int]] = {}
 
     @property
@@ -102,12 +104,21 @@ class HotBuffers:
             return
         self.entry[:, row].fill_(NO_ENTRY)
         self.last_use[:, row].zero_()
+        total = self._per_request[request_id]
+        lookups, hits = self._row_counts[row].tolist()
+        total[0] += lookups
+        total[1] += hits
+        self._row_counts[row].zero_()
         self._free.append(row)
 
     def request_counts(self, request_id: str) -> tuple[int, int]:
         """(lookups, hits) of the request's selections so far."""
-        c = self._per_request.get(request_id, (0, 0))
-        return c[0], c[1]
+        lookups, hits = self._per_request.get(request_id, (0, 0))
+        row = self._rows.get(request_id)
+        if row is not None:
+            now = self._row_counts[row].tolist()
+            lookups, hits = lookups + now[0], hits + now[1]
+        return lookups, hits
 
     def forget(self, request_id: str) -> None:
         self._per_request.pop(request_id, None)
@@ -117,8 +128,7 @@ class HotBuffers:
         return len(self._per_request)
 
     # -- assignment ---------------------------------------------------------------------------
-    def assign(self, layer: int, rows: torch.Tensor, entries: torch.Tensor, request_ids: list[str] | None = None,
-               insert: bool = False) -> Assignment:
+    def assign(self, layer: int, rows: torch.Tensor, entries: torch.Tensor, insert: bool = False) -> Assignment:
         """Place entries [n, k] (NO_ENTRY = nothing) of buffer rows [n] (distinct) in layer's
         buffers: hits keep their slot, misses take LRU slots no entry of this call needs.
         Every placed slot becomes the most recently used. insert=True counts the misses as
@@ -158,12 +168,7 @@ class HotBuffers:
             self.stats.lookups += n_valid
             self.stats.hits += n_found
             self.stats.loaded += n_valid - n_found
-            if request_ids is not None:
-                v, f = valid.sum(dim=1).tolist(), found.sum(dim=1).tolist()
-                for rid, a, b in zip(request_ids, v, f):
-                    c = self._per_request[rid]
-                    c[0] += a
-                    c[1] += b
+            self._row_counts.index_add_(0, rows, torch.stack([valid.sum(dim=1), found.sum(dim=1)], dim=1))
         glob = torch.where(valid, 1 + rows[:, None] * S + slot, 0)
         return Assignment(glob, missed)
 

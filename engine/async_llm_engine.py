@@ -106,6 +106,8 @@ class EngineSnapshot:
     num_swap_ins: int = 0
     # Storage tier (HiCache L3), when enabled: the backend's and the controller's counters.
     storage: dict[str, float] = field(default_factory=dict)
+    # HiSparse, when enabled: hot-buffer lookups / hits / loads, rows held, mirror pages.
+    hisparse: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def capture(cls, engine: LLMEngine) -> "EngineSnapshot":
@@ -137,6 +139,7 @@ class EngineSnapshot:
             num_swap_outs=kv.num_swap_outs,
             num_swap_ins=engine.scheduler.num_swap_ins,
             storage=engine.storage.snapshot() if engine.storage is not None else {},
+            hisparse=engine.hisparse_stats(),
         )
 
 

@@ -447,7 +447,7 @@ class LLMEngine:
         self._flush_tier_transfers()  # load-backs (and write-backs of evicted pages) before the forward
         if sched.empty:
             if self.storage is not None and self.storage.num_outstanding:
-                time.sleep(0.001)  # requests wait for their prefetch: do not spin the CPU
+                self.storage.wait()  # requests wait for their prefetch: sleep until a read lands
             return []
         result = self.runner.execute(sched.model_input())
         self.scheduler.update_after_step(sched)
@@ -604,6 +604,20 @@ class LLMEngine:
         return {"hisparse_lookups": lookups, "hisparse_hit_rate": hits / lookups if lookups else None}
 
     # -- introspection -------------------------------------------------------------------------
+    def hisparse_stats(self) -> dict[str, float]:
+        """HiSparse counters for /metrics ({} when it is off)."""
+        buffers = self.kv.hisparse
+        if buffers is None:
+            return {}
+        st, plan = buffers.stats, self.hisparse
+        mirror = self.kv.spaces[plan.space]
+        return {
+            "lookups": st.lookups, "hits": st.hits, "loaded": st.loaded, "inserted": st.inserted,
+            "handoffs": st.handoffs, "loaded_bytes": st.loaded * plan.entry_bytes // plan.num_layers,
+            "rows_in_use": buffers.num_active, "rows": buffers.max_requests,
+            "mirror_pages_in_use": mirror.num_in_use + mirror.num_cached, "mirror_pages": mirror.num_pages,
+        }
+
     def check_invariants(self) -> None:
         self.kv.check_invariants()
 

@@ -225,6 +225,19 @@ class StorageTier:
                 self.stats.prefetches_timed_out += 1
                 self._release(rid)
 
+    def wait(self, longest: float = 0.01) -> None:
+        """The engine's idle wait while every waiting request waits for its read: block until
+        one read finishes or the nearest prefetch deadline passes (at most `longest` seconds),
+        instead of spinning the step loop."""
+        live = [pf for pf in self._prefetches.values() if not pf.done]
+        if not live or any(pf.future.done() for pf in live):
+            return  # nothing to wait for, or a finished read for the next poll to record
+        now = time.monotonic()
+        timeout = min([longest] + [pf.deadline - now for pf in live if pf.deadline is not None])
+        if timeout > 0:
+            concurrent.futures.wait([pf.future for pf in live], timeout=timeout,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+
     def _record(self, pf: _Prefetch) -> None:
         pf.done = True
         try:

@@ -123,6 +123,18 @@ class _EngineCollector(Collector):
                              ("get_seconds", "Seconds in store reads."), ("put_seconds", "Seconds in store writes.")):
                 if f"backend_{key}" in st:
                     yield counter(f"storage_{key}", doc, st[f"backend_{key}"])
+        if s.hisparse:  # HiSparse is on
+            hs = s.hisparse
+            yield counter("hisparse_lookups", "C4 entries the indexer selected in decode (per layer).", hs["lookups"])
+            yield counter("hisparse_hits", "Of them, found in the request's hot buffer.", hs["hits"])
+            yield counter("hisparse_loaded_entries", "Selected entries copied from the host mirror.", hs["loaded"])
+            yield counter("hisparse_loaded_bytes", "Bytes copied from the host mirror into hot buffers.",
+                          hs["loaded_bytes"])
+            yield counter("hisparse_inserted_entries", "New and hand-off entries written into hot buffers.",
+                          hs["inserted"])
+            yield gauge("hisparse_hot_buffer_rows", "Hot-buffer rows held by decoding requests.", hs["rows_in_use"])
+            yield gauge("hisparse_mirror_pages", "Pages of the C4 host mirror held (in use or cached).",
+                        hs["mirror_pages_in_use"])
 
 
 class ServerMetrics:

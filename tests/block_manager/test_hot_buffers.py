@@ -57,7 +57,7 @@ def test_assign_matches_a_python_lru(size, k):
         sel = [[rng.sample(range(universe), min(k, universe))[j] if rng.random() > 0.15 else NO_ENTRY
                 for j in range(k)] for _ in rows]
         sel = [[e if e not in s[:j] else NO_ENTRY for j, e in enumerate(s)] for s in sel]  # distinct per row
-        got = buffers.assign(layer, torch.tensor(rows), torch.tensor(sel), request_ids=["r0", "r1", "r2"])
+        got = buffers.assign(layer, torch.tensor(rows), torch.tensor(sel))
         for i, r in enumerate(rows):
             want_slots, want_missed = refs[(layer, r)].assign(sel[i])
             for j, e in enumerate(sel[i]):
@@ -75,8 +75,8 @@ def test_assign_matches_a_python_lru(size, k):
 def test_release_empties_the_row_and_reuses_it():
     buffers = HotBuffers(num_layers=1, max_requests=1, size=4, topk=2)
     row = buffers.acquire("a")
-    buffers.assign(0, torch.tensor([row]), torch.tensor([[3, 5]]), request_ids=["a"])
-    buffers.assign(0, torch.tensor([row]), torch.tensor([[3, 7]]), request_ids=["a"])
+    buffers.assign(0, torch.tensor([row]), torch.tensor([[3, 5]]))
+    buffers.assign(0, torch.tensor([row]), torch.tensor([[3, 7]]))
     assert buffers.request_counts("a") == (4, 1)
     with pytest.raises(RuntimeError, match="no free hot-buffer row"):
         buffers.acquire("b")
@@ -94,7 +94,7 @@ def test_inserts_count_separately_and_make_later_selections_hits():
     row = torch.tensor([buffers.acquire("a")])
     ins = buffers.assign(0, row, torch.arange(6)[None, :], insert=True)
     assert bool(ins.missed.all()) and buffers.stats.inserted == 6 and buffers.stats.lookups == 0
-    sel = buffers.assign(0, row, torch.tensor([[5, 0, 2, NO_ENTRY]]), request_ids=["a"])
+    sel = buffers.assign(0, row, torch.tensor([[5, 0, 2, NO_ENTRY]]))
     assert not bool(sel.missed.any()) and buffers.stats.loaded == 0 and buffers.stats.hits == 3
 
 

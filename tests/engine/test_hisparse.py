@@ -153,3 +153,24 @@ def test_configurations_that_cannot_work_are_refused(v4_path, tiny_ckpt):
         LLM(path, hisparse_config={"hot_buffer_size": 16}, **KW)
     with pytest.raises(ValueError, match="compressed sparse attention"):
         LLM(tiny_ckpt("llama"), dtype="float32", max_model_len=256, enable_hisparse=True)
+
+
+def test_metrics_report_hit_rate_loads_and_mirror_use(v4_path):
+    """The per-request report carries the hit rate; /metrics' collector exports the engine's
+    HiSparse counters, and they agree with the hot buffers' own."""
+    from prometheus_client import generate_latest
+
+    from hybridkv.engine.async_llm_engine import EngineSnapshot
+    from hybridkv.entrypoints.openai.metrics import ServerMetrics
+
+    path = v4_path("w16_topk8")
+    llm = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 8}, **KW)
+    out = _generate(llm, _prompts([200], seed=5), 10)[0]
+    st = llm.engine.kv.hisparse.stats
+    assert out.metrics["hisparse_lookups"] == st.lookups > 0
+    assert out.metrics["hisparse_hit_rate"] == pytest.approx(st.hits / st.lookups)
+    text = generate_latest(ServerMetrics("m", lambda: EngineSnapshot.capture(llm.engine)).registry).decode()
+    assert f'hybridkv:hisparse_loaded_entries_total{{model_name="m"}} {float(st.loaded)}' in text, text
+    assert 'hybridkv:hisparse_hot_buffer_rows{model_name="m"} 0.0' in text
+    mirror = llm.engine.kv.spaces["c4"]
+    assert f'hybridkv:hisparse_mirror_pages{{model_name="m"}} {float(mirror.num_cached)}' in text
