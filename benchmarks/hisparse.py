@@ -207,6 +207,9 @@ def _bench(args, model: str, C: int, O: int, contexts: list[int]) -> int:
     vocab = LLM(model, **engine_kw(256, 1, None, None)).engine.runner.config.vocab_size
     print(f"model: tiny DeepSeek-V4 {OVERRIDES}, page {PAGE}, float32; torch threads {torch.get_num_threads()}")
     identical = True
+    # Warm-up (neither timed run pays the process's first-call costs), HiSparse off and on.
+    for hot in (None, 2 * topk):
+        run(LLM(model, **engine_kw(256, 2, None, hot)), prompts(2, 200, 99, vocab), 4)
 
     print(f"\n1. capacity at a {args.device_mib:g} MiB device KV budget (hot buffer {2 * topk} entries):")
     budget = int(args.device_mib * 2**20)

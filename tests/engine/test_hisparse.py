@@ -68,12 +68,13 @@ KW = dict(dtype="float32", block_size=32, max_model_len=2048, max_num_seqs=4)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(V4_CONFIGS))
 def test_long_mixed_batch_with_chunked_prefill_equals_hisparse_off(v4_path, name):
-    """Prompts up to 1,500 tokens (375 C4 entries, ~23x a 16-entry buffer), prefilled in
-    256-token chunks, decoded side by side."""
+    """Prompts up to 3,000 tokens (750 C4 entries, ~47x a 16-entry buffer), prefilled in
+    512-token chunks, decoded side by side."""
     path = v4_path(name)
-    prompts = _prompts([1500, 90, 700])
-    want = _generate(LLM(path, max_num_batched_tokens=256, **KW), prompts, 20)
-    llm = LLM(path, max_num_batched_tokens=256, enable_hisparse=True, hisparse_config={"hot_buffer_size": 16}, **KW)
+    prompts = _prompts([3000, 90, 1200])
+    kw = dict(KW, max_model_len=3072, max_num_batched_tokens=512)
+    want = _generate(LLM(path, **kw), prompts, 20)
+    llm = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 16}, **kw)
     got = _generate(llm, prompts, 20)
     _same(got, want)
     st = llm.engine.kv.hisparse.stats
