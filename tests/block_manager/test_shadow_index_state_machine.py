@@ -379,7 +379,10 @@ def test_host_tier_machine_reaches_every_tier_transition():
     """The host-tier rules are not vacuous: over a run the machine loads back, writes, demotes
     and evicts on the host (each checked against the data tags and the ledgers as it happens)."""
     TIER_COVERAGE.clear()
-    run_state_machine_as_test(HostTierV4LikeMachine, settings=FAST)
+    # Derandomized: the same examples on every run, so whether they cover every transition does
+    # not depend on the seed (random runs reached no load-back now and then).
+    run_state_machine_as_test(HostTierV4LikeMachine, settings=settings(FAST, max_examples=80, derandomize=True,
+                                                                        database=None))
     assert all(TIER_COVERAGE.get(k, 0) > 0 for k in ("loaded", "written", "demoted", "host_evicted")), TIER_COVERAGE
 
 
