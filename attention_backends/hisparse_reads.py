@@ -121,5 +121,5 @@ def select_from_buffer(step: HiSparseStep, layer: int, hot: torch.Tensor, mirror
     (entry w = column w), read from the hot buffer after copying the misses in."""
     valid = idx < entries.visible[:, None]
     a = step.buffers.assign(layer, step.rows[start:end], torch.where(valid, idx, NO_ENTRY))
-    _copy_in(hot, mirror, a.slots, a.missed, entries.slots.gather(1, idx))
+    _copy_in(hot, mirror, a.slots, a.missed, entries.slots_of(idx))
     return KeySet(a.slots, explicit_mask=valid)

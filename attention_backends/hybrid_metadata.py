@@ -56,7 +56,6 @@ class HybridLayout:
         return out
 
 
-@dataclass
 class KeySet:
     """Keys a block of n queries may read: slots [L] (shared) or [n, L] (per query).
 
@@ -65,23 +64,75 @@ class KeySet:
     form is what keeps a long prefill's metadata O(rows) per block instead of O(rows x entries)
     (a 4096-token chunk at 128k context would otherwise hold ~256 MB of entry masks); masks are
     built only for the column range a consumer is working on (`column_mask`).
+
+    Decode entry lists come in page form instead: `pages` [n, pages] are the block-table rows
+    and column w lives in slot pages[w // spp] * spp + w % spp. Building the per-column slot list
+    costs O(entries) per step (32k entries per CSA layer at 128k context); the page form costs
+    O(pages), and consumers that need slots ask for the few columns they read (`slots_of`), or
+    read keys page by page (`read_unmasked`). `slots` is still available (built on first use).
     """
 
-    slots: torch.Tensor
-    explicit_mask: torch.Tensor | None = None  # [n, L]
-    visible: torch.Tensor | None = None  # [n] long: entries [0, visible[i]) are readable by query i
-
-    def __post_init__(self) -> None:
-        if (self.explicit_mask is None) == (self.visible is None):
+    def __init__(self, slots: torch.Tensor | None = None, explicit_mask: torch.Tensor | None = None,
+                 visible: torch.Tensor | None = None, *, pages: torch.Tensor | None = None,
+                 slots_per_page: int = 0, length: int = 0) -> None:
+        if (explicit_mask is None) == (visible is None):
             raise ValueError("a KeySet takes exactly one of explicit_mask and visible")
+        if (slots is None) == (pages is None):
+            raise ValueError("a KeySet takes exactly one of slots and pages")
+        if pages is not None and (visible is None or pages.dim() != 2 or slots_per_page < 1):
+            raise ValueError("page form needs per-query page rows [n, pages], slots_per_page and visible counts")
+        self._slots = slots
+        self.explicit_mask = explicit_mask
+        self.visible = visible
+        self.pages = pages
+        self.slots_per_page = slots_per_page
+        self._length = slots.shape[-1] if slots is not None else length
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """[L] or [n, L] slot of every column; columns a query may not read are the null slot."""
+        if self._slots is None:
+            self._slots = self.slots_of(torch.arange(self._length).expand(self.pages.shape[0], self._length))
+        return self._slots
+
+    def slots_of(self, idx: torch.Tensor) -> torch.Tensor:
+        """Slots [n, k] of the columns idx [n, k]; columns a query may not read give the null slot."""
+        if self.pages is None:
+            return self._slots[idx] if self.shared else self._slots.gather(1, idx)
+        spp = self.slots_per_page
+        page = self.pages.gather(1, (idx // spp).clamp(max=self.pages.shape[1] - 1))
+        return torch.where(idx < self.visible[:, None], page * spp + idx % spp, NULL_SLOT)
+
+    def read_unmasked(self, cache: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Keys [Lb, D] (shared) or [n, Lb, D] of columns [lo, hi). In page form whole pages are
+        copied (one index_select of page-sized rows, not one gather per entry), so a column a
+        query may not read can hold any bytes, NaN included: the caller masks what it computes
+        from them (the indexer's scores) and must not use them as values."""
+        if self.pages is None:
+            return cache[self._slots[..., lo:hi]]
+        spp = self.slots_per_page
+        p0, p1 = lo // spp, -(-hi // spp)
+        n = self.pages.shape[0]
+        paged = cache.view(-1, spp, cache.shape[-1])
+        block = paged.index_select(0, self.pages[:, p0:p1].reshape(-1)).view(n, (p1 - p0) * spp, -1)
+        return block[:, lo - p0 * spp : hi - p0 * spp]
+
+    def row_slice(self, a: int, b: int) -> "KeySet":
+        """The key set of queries [a, b) of this one."""
+        mask = None if self.explicit_mask is None else self.explicit_mask[a:b]
+        visible = None if self.visible is None else self.visible[a:b]
+        if self.pages is not None:
+            return KeySet(pages=self.pages[a:b], slots_per_page=self.slots_per_page, length=self._length,
+                          visible=visible)
+        return KeySet(self._slots if self.shared else self._slots[a:b], explicit_mask=mask, visible=visible)
 
     @property
     def shared(self) -> bool:
-        return self.slots.dim() == 1
+        return self.pages is None and self._slots.dim() == 1
 
     @property
     def length(self) -> int:
-        return self.slots.shape[-1]
+        return self._length
 
     @property
     def num_queries(self) -> int:
@@ -107,7 +158,7 @@ class KeySet:
 
     def take(self, idx: torch.Tensor) -> "KeySet":
         """The columns idx [n, k] of this key set, as a per-query key set with an explicit mask."""
-        slots = self.slots[idx] if self.shared else self.slots.gather(1, idx)
+        slots = self.slots_of(idx)
         if self.visible is None:
             return KeySet(slots, explicit_mask=self.explicit_mask.gather(1, idx))
         return KeySet(slots, explicit_mask=idx < self.visible[:, None])
@@ -213,35 +264,26 @@ def _plan(
 
 
 def _decode_blocks(seqs: StepSequences, layout: HybridLayout, nd: int) -> list[QueryBlock]:
-    """The nd one-query sequences, in blocks of DECODE_BLOCK_SEQS: slots and masks are built for
-    all of them with one set of tensor ops, then sliced per block (each block's entry lists are
-    trimmed to its own longest, so a long request pads only its own block)."""
+    """The nd one-query sequences, in blocks of DECODE_BLOCK_SEQS: the SWA slots and masks are
+    built for all of them with one set of tensor ops, then sliced per block; compressed entries
+    are the block's page-table rows (page form), trimmed to its own longest history, so a long
+    request pads only its own block and nothing per step costs O(entries)."""
     P, W = layout.page_size, layout.window
     pos = torch.tensor(seqs.context_lens[:nd]) - 1  # [nd] the single query of each sequence
     kpos = window_start(pos, W)[:, None] + torch.arange(W)[None, :]  # at most W keys per query
     valid = kpos <= pos[:, None]
     swa = _masked(_token_slots(seqs.block_tables[SWA][:nd], kpos, P), valid), valid
-    entries = {}
-    shared: dict[int, tuple] = {}  # ratio -> (count, ok, page index, offset): c4 and indexer share it
-    for space, ratio in layout.compressed_spaces().items():
-        if ratio not in shared:
-            count = (pos + 1) // ratio
-            n = int(count.max())
-            w = torch.arange(n)  # entry index, the same for every query: 1-D arithmetic, then broadcast
-            spp = P // ratio
-            shared[ratio] = (count, w[None, :] < count[:, None], w // spp, w % spp, spp)
-        count, ok, pidx, off, spp = shared[ratio]
-        table = seqs.block_tables[space][:nd]
-        page = table.index_select(1, pidx.clamp(max=table.shape[1] - 1))  # [nd, n]
-        slots = _masked(page * spp + off[None, :], ok)
-        entries[space] = (slots, ok, count)
+    counts = {ratio: (pos + 1) // ratio for ratio in set(layout.compressed_spaces().values())}
     blocks = []
     for lo in range(0, nd, DECODE_BLOCK_SEQS):
         hi = min(nd, lo + DECODE_BLOCK_SEQS)
         blk = QueryBlock(lo, hi, KeySet(swa[0][lo:hi], explicit_mask=swa[1][lo:hi]))
-        for space, (slots, ok, count) in entries.items():
-            width = int(count[lo:hi].max())
-            blk.entries[space] = KeySet(slots[lo:hi, :width], visible=count[lo:hi])
+        for space, ratio in layout.compressed_spaces().items():
+            count = counts[ratio][lo:hi]
+            width, spp = int(count.max()), P // ratio
+            table = seqs.block_tables[space][lo:hi, : max(1, -(-width // spp))]
+            # Page form: O(pages) per step; the slots of the columns read are built by the consumer.
+            blk.entries[space] = KeySet(pages=table.long(), slots_per_page=spp, length=width, visible=count)
         blocks.append(blk)
     return blocks
 

@@ -28,6 +28,11 @@ INDEXER_SCORE_ELEMS = 1 << 24  # cap on [queries, heads, entries] elements per i
 # max(rows x heads x INDEXER_KEY_BLOCK, INDEXER_BLOCK_ELEMS) elements.
 INDEXER_KEY_BLOCK = 1024
 INDEXER_BLOCK_ELEMS = 1 << 20
+# Head-reduced indexer scores [rows, entries] held for one top-k (32 MB in float32): a query
+# block is split into row groups of INDEXER_ROW_SCORES / entries rows, down to MIN_SCORE_ROWS
+# rows (a 2M-token context at 256 rows); beyond that the top-k is merged key block by block.
+INDEXER_ROW_SCORES = 1 << 23
+MIN_SCORE_ROWS = 16
 # C4/C128 entries per attention pass: long entry lists (HCA prefill at long context) are read
 # in key blocks with an online softmax, bounding the logits to [rows, heads, ENTRY_KEY_BLOCK].
 ENTRY_KEY_BLOCK = 1024
@@ -53,8 +58,10 @@ def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) 
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
     """Σ_h w[t,h] · ReLU(q[t,h] · K[e]) · scale  ->  [n, L].  keys [L, c] (shared) or [n, L, c].
 
-    The elementwise steps run in place on the matmul's output (same values as the out-of-place
-    expression, one [n, h, L] buffer instead of four).
+    Two GEMMs and one in-place pass: the scores [n, h, L] from one matmul, ReLU in place, then
+    the head-weighted sum as a batched matmul w[n, 1, h] @ scores (instead of scale, weight and
+    sum passes over the [n, h, L] buffer, which cost more than the scoring matmul at small
+    index_head_dim).
     """
     n, heads = q.shape[0], q.shape[1]
     L = keys.shape[-2]
@@ -64,10 +71,39 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: 
         qa, wa = q[a : a + step].float(), w[a : a + step].float()
         if keys.dim() == 2:
             s = torch.matmul(qa, keys.float().t())  # [n, h, L]
+        elif L >= 2 * SCORE_CHUNK:
+            out.append(_per_query_scores_chunked(qa, wa, keys[a : a + step].float(), scale))
+            continue
         else:
-            s = torch.einsum("nhc,nlc->nhl", qa, keys[a : a + step].float())
-        out.append(s.relu_().mul_(scale).mul_(wa[:, :, None]).sum(dim=1))
-    return torch.cat(out) if out else q.new_zeros(0, L, dtype=torch.float32)
+            s = torch.bmm(qa, keys[a : a + step].float().transpose(1, 2))
+        out.append(torch.bmm(wa[:, None, :], s.relu_()).squeeze(1).mul_(scale))
+    if not out:
+        return q.new_zeros(0, L, dtype=torch.float32)
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
+SCORE_CHUNK = 512  # entries per matmul when a few decode queries score their own long key lists
+
+
+def _per_query_scores_chunked(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """indexer_scores for per-query keys [n, L, c] with few queries (decode): q [n, h, c] against
+    [n, L, c] is a matmul with only h rows per query, which oneDNN/MKL run far below their GEMM
+    rate (~16 GFLOP/s measured at 32k entries); viewing the keys as SCORE_CHUNK-entry chunks
+    makes it a batch of [h, c] x [c, SCORE_CHUNK] products, measured ~1.5-3x faster."""
+    n, L, c = keys.shape
+    B = SCORE_CHUNK
+    main = L - L % B
+    if keys.stride(2) != 1 or keys.stride(1) != c:
+        keys = keys.contiguous()
+    # The first `main` entries of every row as [n, chunks, B, c], without a copy.
+    chunks = keys.as_strided((n, main // B, B, c), (keys.stride(0), B * c, c, 1))
+    s = torch.matmul(q[:, None], chunks.transpose(-1, -2)).relu_()  # [n, chunks, h, B]
+    out = torch.empty(n, L, dtype=torch.float32)
+    out[:, :main] = torch.matmul(w[:, None, None, :], s).view(n, main)
+    if main < L:
+        tail = torch.bmm(q, keys[:, main:].transpose(1, 2)).relu_()  # [n, h, L - main]
+        out[:, main:] = torch.bmm(w[:, None, :], tail).squeeze(1)
+    return out.mul_(scale)
 
 
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -75,11 +111,26 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 
     torch.topk's choice among equal scores depends on the call shape, so a full prefill and
     token-by-token decode could pick different entries when scores tie (ReLU makes exact
-    zeros common). Everything strictly above the k-th value is taken, then the lowest-index
-    entries equal to it. Masked (-inf) entries come last and are dropped by the caller.
-    The indices come out ascending (which merge_topk relies on).
+    zeros common). When every row's k-th score is strictly above its (k+1)-th the top-k set is
+    unique and torch.topk's is taken (one pass); otherwise everything strictly above the k-th
+    value is taken, then the lowest-index entries equal to it. Masked (-inf) entries come last
+    and are dropped by the caller. The indices come out ascending (which merge_topk relies on).
     """
-    kth = torch.topk(scores, k, dim=-1).values[:, -1:]
+    n, L = scores.shape
+    if k >= L:
+        return torch.arange(L).expand(n, L)
+    vals, idx = torch.topk(scores, k + 1, dim=-1)
+    out = idx[:, :k].sort(dim=-1).values
+    tied = ~(vals[:, k - 1] > vals[:, k])  # rows whose k-th score is shared with an entry left out
+    if bool(tied.any()):
+        rows = tied.nonzero()[:, 0]
+        out[rows] = _select_tied(scores[rows], vals[rows, k - 1 : k], k)
+    return out
+
+
+def _select_tied(scores: torch.Tensor, kth: torch.Tensor, k: int) -> torch.Tensor:
+    """select_topk's rule for rows whose k-th score kth [n, 1] ties: everything above it, then
+    the lowest-index entries equal to it."""
     above = scores > kth
     tie = scores == kth
     need = k - above.sum(dim=-1, keepdim=True)
@@ -107,48 +158,141 @@ def merge_topk(
     return scores.gather(1, keep), idx.gather(1, keep)
 
 
+CANDIDATE_CHUNK = 64  # columns per chunk when block_candidates screens a key block by chunk maxima
+
+
+def block_candidates(scores: torch.Tensor, threshold: torch.Tensor, lo: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The entries of one key block scoring strictly above each row's threshold, as [n, m]
+    (scores, column indices) in ascending column order, padded with -inf; None when there are none.
+
+    Every index of the block is above every index of the running top-k, so under select_topk's
+    order a block entry can displace the running k-th entry only by a strictly larger score:
+    the candidates are all that a merge needs, and past the first few key blocks they are a
+    small fraction of the block (about k / entries seen), so the merge works on [n, k + m].
+    The block is screened by the maxima of CANDIDATE_CHUNK-column chunks (one reduction); only
+    the chunks above the threshold are searched entry by entry.
+    """
+    n, L = scores.shape
+    C = CANDIDATE_CHUNK
+    if L % C == 0 and L > C:
+        chunks = scores.reshape(n, L // C, C)
+        r, ch = (chunks.amax(dim=2) > threshold[:, None]).nonzero(as_tuple=True)  # row-major
+        if r.numel() == 0:
+            return None
+        vals = chunks[r, ch]  # [hot chunks, C]
+        hot, col = (vals > threshold[r][:, None]).nonzero(as_tuple=True)
+        r, c, v = r[hot], ch[hot] * C + col, vals[hot, col]  # still ascending columns per row
+    else:
+        r, c = (scores > threshold[:, None]).nonzero(as_tuple=True)
+        if r.numel() == 0:
+            return None
+        v = scores[r, c]
+    per_row = torch.bincount(r, minlength=n)
+    m = int(per_row.max())
+    pos = torch.arange(r.numel()) - (torch.cumsum(per_row, 0) - per_row)[r]  # rank within its row
+    cand_scores = torch.full((n, m), float("-inf"))
+    cand_idx = torch.zeros(n, m, dtype=torch.long)
+    cand_scores[r, pos] = v
+    cand_idx[r, pos] = c + lo
+    return cand_scores, cand_idx
+
+
+# Candidate columns (see block_candidates) collected before they are merged into the running
+# top-k: a merge is a top-k over [n, k + pending], so merging every few blocks instead of after
+# each one keeps the merge cost small next to the scoring, and bounds the pending buffer.
+MERGE_WIDTH = 256
+
+
 def blockwise_topk(
     block_scores: Callable[[int, int], torch.Tensor], n: int, length: int, k: int, key_block: int
 ) -> torch.Tensor:
     """Indices [n, k] equal to select_topk(all scores, k), computed key block by key block.
 
     block_scores(lo, hi) returns the (already masked) scores [n, hi - lo] of columns [lo, hi);
-    only one block's scores and the running top-k are alive at a time.
+    only one block's scores, the running top-k and at most MERGE_WIDTH (+ one block's) pending
+    candidates are alive at a time. Once the running set holds k entries, a block contributes
+    only its entries above the running k-th score as of the last merge (block_candidates): a
+    superset of what can still enter, because that threshold only rises. Selection then costs
+    about one comparison per score instead of a top-k over every block (which cost several
+    times the scoring matmul).
     """
     run_scores = torch.empty(n, 0, dtype=torch.float32)
     run_idx = torch.empty(n, 0, dtype=torch.long)
+    threshold = None  # the running k-th score once the running set is full
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+    width = 0
     for lo in range(0, length, key_block):
         hi = min(length, lo + key_block)
-        cols = torch.arange(lo, hi).expand(n, hi - lo)
-        run_scores, run_idx = merge_topk(run_scores, run_idx, block_scores(lo, hi), cols, k)
+        scores = block_scores(lo, hi)
+        if threshold is None:
+            cols = torch.arange(lo, hi).expand(n, hi - lo)
+            run_scores, run_idx = merge_topk(run_scores, run_idx, scores, cols, k)
+            if run_idx.shape[1] == k:
+                threshold = run_scores.amin(dim=1)
+            continue
+        cand = block_candidates(scores, threshold, lo)
+        if cand is None:
+            continue
+        pending.append(cand)
+        width += cand[0].shape[1]
+        if width >= MERGE_WIDTH:
+            run_scores, run_idx = _merge_pending(run_scores, run_idx, pending, k)
+            threshold, pending, width = run_scores.amin(dim=1), [], 0
+    if pending:
+        run_scores, run_idx = _merge_pending(run_scores, run_idx, pending, k)
     return run_idx
+
+
+def _merge_pending(run_scores: torch.Tensor, run_idx: torch.Tensor, pending: list[tuple[torch.Tensor, torch.Tensor]],
+                   k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge the pending candidates (blocks in column order, each padded with -inf) into the
+    running top-k. A -inf pad is never selected: the running set's own -inf entries come first
+    and there are at least as many of them as the merge needs."""
+    return merge_topk(run_scores, run_idx, torch.cat([c[0] for c in pending], dim=1),
+                      torch.cat([c[1] for c in pending], dim=1), k)
 
 
 def indexer_topk(indexer: IndexerQuery, rows: slice, iks: KeySet, k: int, key_block: int | None = None) -> torch.Tensor:
     """The lightning indexer's top-k [n, k] (columns of iks) for the queries in rows.
 
-    Keys are gathered, scored and masked one key block at a time (blockwise_topk), so neither
-    the gathered keys nor the [rows, heads, entries] scores ever exist for the whole entry list.
+    Keys are read and scored one key block at a time, so neither the keys nor the per-head
+    scores [rows, heads, entries] ever exist for the whole entry list. The head-reduced scores
+    of a row block are kept whole ([rows, entries], at most INDEXER_ROW_SCORES elements: the
+    rows are split as the history grows) and selected with one top-k, which costs a small
+    fraction of the scoring; past MIN_SCORE_ROWS rows' worth of entries (multi-million-token
+    contexts) the top-k runs blockwise instead (blockwise_topk). Decode key sets are in page
+    form: their keys are copied page by page, not gathered per entry.
     """
+    n, L = rows.stop - rows.start, iks.length
+    step = INDEXER_ROW_SCORES // max(1, L)
+    if MIN_SCORE_ROWS <= step < n:
+        return torch.cat([indexer_topk(indexer, slice(rows.start + a, rows.start + min(n, a + step)),
+                                       iks.row_slice(a, min(n, a + step)), k, key_block) for a in range(0, n, step)])
     q, w = indexer.q[rows], indexer.weights[rows]
     if key_block is None:
-        key_block = max(INDEXER_KEY_BLOCK, INDEXER_BLOCK_ELEMS // max(1, q.shape[0] * q.shape[1]))
+        key_block = max(INDEXER_KEY_BLOCK, INDEXER_BLOCK_ELEMS // max(1, n * q.shape[1]))
 
     def block_scores(lo: int, hi: int) -> torch.Tensor:
-        keys = indexer.keys[iks.slots[..., lo:hi]]  # [Lb, c] shared or [n, Lb, c] per query
+        keys = iks.read_unmasked(indexer.keys, lo, hi)  # [Lb, c] shared or [n, Lb, c] per query
         scores = indexer_scores(q, w, keys, indexer.scale)
         if iks.all_visible(hi):
             return scores
         return scores.masked_fill_(~iks.column_mask(lo, hi), float("-inf"))
 
-    return blockwise_topk(block_scores, q.shape[0], iks.length, k, key_block)
+    if step < n:
+        return blockwise_topk(block_scores, n, L, k, key_block)
+    scores = torch.empty(n, L, dtype=torch.float32, device=q.device)
+    for lo in range(0, L, key_block):
+        hi = min(L, lo + key_block)
+        scores[:, lo:hi] = block_scores(lo, hi)
+    return select_topk(scores, k)
 
 
 def _logits(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
     """q [n, H, D], keys [L, D] or [n, L, D] -> [n, H, L]."""
     if keys.dim() == 2:
-        return torch.matmul(q, keys.t()) * scale
-    return torch.einsum("nhd,nld->nhl", q, keys) * scale
+        return torch.matmul(q, keys.t()).mul_(scale)
+    return torch.einsum("nhd,nld->nhl", q, keys).mul_(scale)
 
 
 def _weighted(p: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -165,11 +309,9 @@ def joint_softmax_attention(
     q [n, H, D]; key_sets: (keys [L, D] or [n, L, D], mask [n, L]); sinks [H] (float32).
     """
     n, H, _ = q.shape
-    logits = [_logits(q, k, scale).masked_fill(~m[:, None, :], float("-inf")) for k, m in key_sets]
+    logits = [_logits(q, k, scale).masked_fill_(~m[:, None, :], float("-inf")) for k, m in key_sets]
     sink = sinks.to(q.dtype).view(1, H, 1).expand(n, H, 1)
-    combined = torch.cat(logits + [sink], dim=-1)
-    combined = combined - combined.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(combined, dim=-1)
+    probs = torch.softmax(torch.cat(logits + [sink], dim=-1), dim=-1)  # softmax subtracts the row max itself
     out = torch.zeros_like(q)
     col = 0
     for (k, _), lg in zip(key_sets, logits):

@@ -104,7 +104,8 @@ class _Step:
 @pytest.mark.parametrize("key_block", [None, 1, 7])  # None: the defaults (one key block here)
 @pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
 def test_backend_matches_dense_reference_over_random_pages(kind, key_block, monkeypatch):
-    if key_block is not None:  # indexer top-k and entry attention read in many key blocks
+    if key_block is not None:  # indexer top-k (merged blockwise) and entry attention read in many key blocks
+        monkeypatch.setattr(hybrid_v4, "INDEXER_ROW_SCORES", 0)
         monkeypatch.setattr(hybrid_v4, "INDEXER_KEY_BLOCK", key_block)
         monkeypatch.setattr(hybrid_v4, "INDEXER_BLOCK_ELEMS", 0)
         monkeypatch.setattr(hybrid_v4, "ENTRY_KEY_BLOCK", key_block)
@@ -187,9 +188,11 @@ def _tied_scores(g: torch.Generator, n: int, L: int) -> torch.Tensor:
     return torch.where(causal, scores, float("-inf"))
 
 
+@pytest.mark.parametrize("merge_width", [1, 256])
 @pytest.mark.parametrize("k", [1, 5, 64])
-@pytest.mark.parametrize("key_block", [1, 3, 16, 63, 64, 200, 1000])
-def test_blockwise_topk_equals_one_shot_select_topk(k, key_block):
+@pytest.mark.parametrize("key_block", [1, 3, 16, 63, 64, 128, 200, 1000])
+def test_blockwise_topk_equals_one_shot_select_topk(k, key_block, merge_width, monkeypatch):
+    monkeypatch.setattr(hybrid_v4, "MERGE_WIDTH", merge_width)
     g = torch.Generator().manual_seed(k * 1000 + key_block)
     n, L = 40, 300
     scores = _tied_scores(g, n, L)
@@ -198,9 +201,16 @@ def test_blockwise_topk_equals_one_shot_select_topk(k, key_block):
     assert torch.equal(got, want)  # the same entries, in the same (ascending) order
 
 
-def test_indexer_topk_equals_one_shot_over_shared_and_per_query_keys():
+@pytest.mark.parametrize("selection", ["row_scores", "row_groups", "blockwise"])
+def test_indexer_topk_equals_one_shot_over_shared_and_per_query_keys(selection, monkeypatch):
     """Integer-valued queries and keys make every score exact whatever the matmul shape, so
-    the blockwise indexer must pick exactly the one-shot entries (ties abound)."""
+    the indexer must pick exactly the one-shot entries (ties abound) whether it holds a row
+    block's scores whole, splits the rows into groups, or merges key block by key block."""
+    if selection == "row_groups":
+        monkeypatch.setattr(hybrid_v4, "MIN_SCORE_ROWS", 2)
+        monkeypatch.setattr(hybrid_v4, "INDEXER_ROW_SCORES", 5 * 500)  # groups of 5 rows
+    elif selection == "blockwise":
+        monkeypatch.setattr(hybrid_v4, "INDEXER_ROW_SCORES", 0)
     g = torch.Generator().manual_seed(5)
     n, heads, c, L, slots, k = 24, 4, 8, 500, 700, 16
     q = torch.randint(-2, 3, (n, heads, c), generator=g).float()
@@ -215,6 +225,73 @@ def test_indexer_topk_equals_one_shot_over_shared_and_per_query_keys():
         want = select_topk(full, k)
         for key_block in (1, 17, 128, L):
             assert torch.equal(indexer_topk(iq, slice(0, n), ks, k, key_block), want)
+
+
+def _reference_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """select_topk's rule by brute force: sort by (score descending, index ascending)."""
+    out = []
+    for row in scores.tolist():
+        order = sorted(range(len(row)), key=lambda j: (-row[j], j))[:k]
+        out.append(sorted(order))
+    return torch.tensor(out, dtype=torch.long)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_select_topk_fast_and_tie_paths_follow_the_one_order(tied):
+    """select_topk takes torch.topk's set when it is unique and the tie rule otherwise: both
+    must give the (score desc, index asc) order's first k, in ascending index order."""
+    g = torch.Generator().manual_seed(11)
+    for k in (1, 4, 30):
+        scores = _tied_scores(g, 16, 60) if tied else torch.randn(16, 60, generator=g)
+        assert torch.equal(select_topk(scores, k), _reference_topk(scores, k))
+
+
+def test_blockwise_topk_with_a_growing_context_merges_rarely_and_keeps_the_one_shot_answer(monkeypatch):
+    """The candidate path (entries above the running k-th score, merged every MERGE_WIDTH
+    pending columns) over long random rows: the answer is the one-shot one, and after the first
+    block only a few merges run, each over a small fraction of what was scored."""
+    g = torch.Generator().manual_seed(3)
+    n, L, k, key_block = 8, 16384, 16, 512
+    scores = torch.randn(n, L, generator=g)
+    widths = []
+    real_merge = hybrid_v4.merge_topk
+
+    def counting_merge(rs, ri, bs, bi, kk):
+        widths.append(bs.shape[1])
+        return real_merge(rs, ri, bs, bi, kk)
+
+    monkeypatch.setattr(hybrid_v4, "merge_topk", counting_merge)
+    got = blockwise_topk(lambda lo, hi: scores[:, lo:hi], n, L, k, key_block)
+    assert torch.equal(got, select_topk(scores, k))
+    blocks = L // key_block
+    assert widths[0] == key_block and len(widths) <= blocks // 4, widths
+    assert sum(widths[1:]) < (L - key_block) // 8, widths
+
+
+def test_page_form_key_set_reads_the_same_keys_and_slots_as_the_slot_form():
+    """Decode entry lists come as page-table rows: slots_of / slots / read_unmasked must agree
+    with the per-entry slot list for every column a query may read, and give the null slot
+    for the others."""
+    g = torch.Generator().manual_seed(9)
+    spp, n, pages_per_row, num_pages, c = 4, 5, 6, 40, 3
+    pages = torch.stack([torch.randperm(num_pages - 1, generator=g)[:pages_per_row] + 1 for _ in range(n)])
+    visible = torch.tensor([0, 3, 4, 17, 24])
+    L = int(visible.max())
+    cache = torch.randn(num_pages * spp, c, generator=g)
+    ks = KeySet(pages=pages, slots_per_page=spp, length=L, visible=visible)
+    w = torch.arange(L)
+    want = torch.where(w[None, :] < visible[:, None], pages[:, w // spp] * spp + w % spp, 0)
+    assert torch.equal(ks.slots, want)
+    idx = torch.randint(0, L, (n, 7), generator=g)
+    assert torch.equal(ks.slots_of(idx), want.gather(1, idx))
+    for lo, hi in ((0, L), (3, 9), (8, 12), (13, 24)):
+        got = ks.read_unmasked(cache, lo, hi)
+        ok = ks.column_mask(lo, hi)
+        assert torch.equal(got[ok], cache[want[:, lo:hi]][ok])
+    iq = IndexerQuery(torch.randn(n, 2, c, generator=g), torch.randn(n, 2, generator=g), cache, INDEXER, 4, 0.5)
+    slot_form = KeySet(want, visible=visible)
+    for key_block in (1, 5, 64):
+        assert torch.equal(indexer_topk(iq, slice(0, n), ks, 4, key_block), indexer_topk(iq, slice(0, n), slot_form, 4, key_block))
 
 
 def test_online_joint_attention_equals_one_pass_softmax():

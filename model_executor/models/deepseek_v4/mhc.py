@@ -34,10 +34,12 @@ class HyperConnection(nn.Module):
         pre = torch.sigmoid(pre_w * s[0] + pre_b) + eps
         post = 2 * torch.sigmoid(post_w * s[1] + post_b)
         comb = torch.softmax(comb_w.view(-1, n, n) * s[2] + comb_b.view(n, n), dim=-1) + eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        # Sinkhorn in place (the same arithmetic as out-of-place: a prefill chunk's [T, n, n] is
+        # renormalised 2 x iters times, and allocating each step cost more than the divisions).
+        comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
         for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+            comb.div_(comb.sum(dim=-1, keepdim=True).add_(eps))
+            comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return collapsed, post, comb
 
