@@ -120,7 +120,10 @@ def main() -> None:
     }
     ours, model_dir = hybridkv_runs(args, w)
     theirs = {} if args.skip_hf else hf_runs(args, w, model_dir)
-    print(f"\ndtype={args.dtype} threads={torch.get_num_threads()} repeats={args.repeats} (median wall time)")
+    from hybridkv.model_executor.cpu_features import cpu_features
+
+    print(f"\nCPU: {cpu_features().describe()}")
+    print(f"dtype={args.dtype} threads={torch.get_num_threads()} repeats={args.repeats} (median wall time)")
     print(f"{'workload':<14}{'hybridkv':>22}{'transformers':>22}{'ratio':>8}   vLLM-CPU 0.32 (README, not this run)")
     for key in ["a_decode", "b_batch32", "c_prefill", "d_prefix_off", "d_prefix_on", "d_prefix_on_lpm"]:
         t = ours[key]

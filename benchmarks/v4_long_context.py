@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -37,6 +36,7 @@ import torch  # noqa: E402
 from hybridkv.attention_backends.hybrid_metadata import PREFILL_BLOCK_ROWS  # noqa: E402
 from hybridkv.engine.sampling_params import SamplingParams  # noqa: E402
 from hybridkv.entrypoints import LLM  # noqa: E402
+from hybridkv.model_executor.cpu_features import cpu_features  # noqa: E402
 
 
 BENCH_CONFIG = dict(
@@ -54,22 +54,7 @@ def build_checkpoint(path: str, index_heads: int = 8, index_dim: int = 64) -> st
 
 
 def cpu_model() -> str:
-    """'AMD EPYC (family 25 model 1, AVX2)': the model name alone does not tell Zen 3 from Zen 5."""
-    info: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                info.setdefault(key.strip(), value.strip())
-                if key.strip() == "flags":
-                    break
-    except OSError:
-        return platform.processor() or "unknown CPU"
-    flags = set(info.get("flags", "").split())
-    isa = "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    if "avx512_bf16" in flags:
-        isa += ", avx512_bf16"
-    return f"{info.get('model name', 'unknown CPU')} (family {info.get('cpu family', '?')} model {info.get('model', '?')}, {isa})"
+    return cpu_features().describe()
 
 
 def gemm_gflops(threads: int, n: int = 2048, reps: int = 5) -> float:

@@ -56,9 +56,14 @@ class EngineConfig:
     # the full C4 history is a host mirror charged to host memory, not to kv_cache_memory_bytes.
     enable_hisparse: bool = False
     hisparse_config: str | dict | None = None  # JSON or dict: {"hot_buffer_size": ..., "mirror_bytes": ...}
+    # CPU compute threads (torch.set_num_threads, process-wide, set when the engine starts).
+    # None = torch's default: OMP_NUM_THREADS when set, else one per core.
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         validate_attention_backend_name(self.attention_backend)
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1 or None, got {self.num_threads}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -9,6 +9,7 @@ import itertools
 import logging
 import math
 import operator
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -101,6 +102,9 @@ def _is_bool_scalar(value: Any) -> bool:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        logger.info("CPU compute threads: %d (of %s cores)", torch.get_num_threads(), os.cpu_count())
         model_dir = config.model
         if model_dir is None:
             from hybridkv.model_executor.demo_model import ensure_demo_model

@@ -47,6 +47,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: triton on CUDA when the triton package imports, else torch_native; "
                         "xformers needs CUDA; triton on CPU only under TRITON_INTERPRET=1 "
                         f"(default: {DEFAULT_ATTENTION_BACKEND})")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="CPU compute threads (default: OMP_NUM_THREADS, else one per core)")
     p.add_argument("--dequantize-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="FP8/FP4 checkpoints: dequantize once at load (faster, 2-4x the memory) instead of "
                         "keeping weights compressed (default: compressed)")
@@ -100,6 +102,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         target_step_seconds=args.target_step_seconds or None,  # 0 = off
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
+        num_threads=args.num_threads,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         chat_template=template,
         scheduling_policy=args.scheduling_policy,

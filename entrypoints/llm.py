@@ -72,6 +72,7 @@ class LLM:
         dequantize_weights: bool | None = None,
         enable_hisparse: bool = False,
         hisparse_config: str | dict | None = None,
+        num_threads: int | None = None,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -105,6 +106,7 @@ class LLM:
                 dequantize_weights=dequantize_weights,
                 enable_hisparse=enable_hisparse,
                 hisparse_config=hisparse_config,
+                num_threads=num_threads,
             )
         )
 

@@ -13,12 +13,17 @@ engine at the wrong folder.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from hybridkv.model_executor.cpu_features import cpu_features
+
+logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -381,13 +386,38 @@ def _dtype_from_name(name: str) -> torch.dtype | None:
     return _DTYPE_NAMES.get(key)
 
 
-def resolve_dtype(dtype: str | torch.dtype, config) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, config, device: torch.device | str | None = None) -> torch.dtype:
     """The torch dtype to run the model in.
 
     ``"auto"`` takes the checkpoint's own dtype (``config.dtype``, or the older
-    ``torch_dtype``) and falls back to float32 when the config does not say.
+    ``torch_dtype``) and falls back to float32 when the config does not say. On a CPU device
+    (when ``device`` is given), ``"auto"`` keeps a bfloat16 / float16 checkpoint in float32
+    unless the CPU computes that dtype natively (AVX-512 BF16 / AMX): without it torch's bf16
+    matmuls run 7-100x slower than float32 (AVX2-only CPUs such as AMD Zen 3). The choice is
+    logged. An explicit dtype is always honoured (with a warning where it is slow here).
     Only float32, bfloat16 and float16 are supported.
     """
+    resolved = _resolve_checkpoint_dtype(dtype, config)
+    if device is None or torch.device(device).type != "cpu":
+        return resolved
+    cpu = cpu_features()
+    if resolved == torch.float32:
+        logger.info("dtype float32 on %s", cpu.describe())
+        return resolved
+    if cpu.native(resolved):
+        logger.info("dtype %s: %s computes it natively", str(resolved).replace("torch.", ""), cpu.describe())
+        return resolved
+    name = str(resolved).replace("torch.", "")
+    if isinstance(dtype, str) and dtype.strip().lower() == "auto":
+        logger.info("dtype auto: the checkpoint is %s, but %s has no native %s compute, so the model runs in "
+                    "float32 (pass dtype=%r to force it)", name, cpu.describe(), name, name)
+        return torch.float32
+    logger.warning("dtype %s on %s, which has no native %s compute: matmuls take torch's slow path "
+                   "(float32 is usually several times faster here; dtype='auto' picks it)", name, cpu.describe(), name)
+    return resolved
+
+
+def _resolve_checkpoint_dtype(dtype: str | torch.dtype, config) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype in _SUPPORTED_DTYPES:
             return dtype

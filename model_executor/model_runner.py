@@ -78,7 +78,7 @@ class ModelRunner:
     ) -> None:
         self.device = torch.device(device)
         self.config = load_config(model_dir)
-        self.dtype = resolve_dtype(dtype, self.config)
+        self.dtype = resolve_dtype(dtype, self.config, self.device)
         # Validated before the (slow) load: an unsupported quant_method / fmt fails fast.
         self.quantization = quantization_config_of(self.config)
         self.dequantize_weights = self.quantization is not None and dequantize_weights_wanted(

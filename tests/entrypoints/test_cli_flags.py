@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 
 import pytest
+import torch
 
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.llm_engine import LLMEngine
@@ -55,12 +56,12 @@ ARGV = [
     "--dtype", "float32", "--max-model-len", "96", "--block-size", "32", "--max-num-seqs", "3",
     "--max-num-batched-tokens", "80", "--no-enable-prefix-caching", "--seed", "5",
     "--kv-cache-memory-bytes", str(4 << 20), "--scheduling-policy", "lpm", "--eviction-policy", "lfu",
-    "--no-windowed-match", "--attention-backend", "torch_native",
+    "--no-windowed-match", "--attention-backend", "torch_native", "--num-threads", "1",
 ]
 EXPECTED = dict(
     dtype="float32", max_model_len=96, block_size=32, max_num_seqs=3, max_num_batched_tokens=80,
     enable_prefix_caching=False, seed=5, kv_cache_memory_bytes=4 << 20, scheduling_policy="lpm",
-    eviction_policy="lfu", windowed_match=False,
+    eviction_policy="lfu", windowed_match=False, num_threads=1,
 )
 
 
@@ -75,7 +76,12 @@ def test_parsed_values_reach_the_engine_config(tiny_ckpt, monkeypatch, capsys):
 
     monkeypatch.setattr(LLMEngine, "__init__", recording_init)
     path = tiny_ckpt("llama")
-    assert main(["generate", "the quick brown", "--model", path, "--max-tokens", "2", *ARGV]) == 0
+    threads = torch.get_num_threads()  # --num-threads sets torch's process-wide count
+    try:
+        assert main(["generate", "the quick brown", "--model", path, "--max-tokens", "2", *ARGV]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
     (config,) = configs
     assert config.model == path
     for name, value in EXPECTED.items():

@@ -354,6 +354,49 @@ def test_resolve_dtype_auto_rejects_unsupported_config_dtype():
         resolve_dtype("auto", _Cfg(dtype=torch.float64))
 
 
+_ZEN3 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\nmodel name\t: other\n"
+_ZEN5 = _ZEN3.replace("cpu family\t: 25", "cpu family\t: 26").replace("avx2 fma", "avx2 fma avx512f avx512bw avx512_bf16")
+
+
+def test_cpuinfo_parsing_tells_zen3_from_zen5():
+    """The ISA, native bf16 and family come from the first processor block of /proc/cpuinfo."""
+    from hybridkv.model_executor.cpu_features import parse_cpuinfo
+
+    zen3, zen5 = parse_cpuinfo(_ZEN3), parse_cpuinfo(_ZEN5)
+    assert (zen3.isa, zen3.native_bf16, zen3.model_name) == ("AVX2", False, "AMD EPYC")
+    assert (zen5.isa, zen5.native_bf16) == ("AVX-512", True)
+    assert zen3.describe() == "AMD EPYC (family 25 model 1, AVX2)"
+    assert "family 26" in zen5.describe() and "avx512_bf16" in zen5.describe()
+    assert zen3.native(torch.float32) and not zen3.native(torch.float16)
+
+
+@pytest.mark.parametrize("cpu, want", [(_ZEN3, torch.float32), (_ZEN5, torch.bfloat16)])
+def test_auto_dtype_keeps_a_bf16_checkpoint_in_float32_without_native_bf16(cpu, want, monkeypatch, caplog):
+    """On a CPU without native bf16 compute, dtype='auto' runs a bf16 checkpoint in float32 (bf16
+    matmuls are 7-100x slower there) and logs why; where bf16 is native it stays bf16. An
+    explicit dtype is honoured either way (with a warning where it is slow), and a non-CPU
+    device keeps the checkpoint's dtype."""
+    import logging
+
+    from hybridkv.model_executor import checkpoint
+    from hybridkv.model_executor.cpu_features import parse_cpuinfo
+
+    monkeypatch.setattr(checkpoint, "cpu_features", lambda: parse_cpuinfo(cpu))
+    cfg = _tiny_config(dtype="bfloat16")
+    with caplog.at_level(logging.INFO, logger="hybridkv"):
+        assert resolve_dtype("auto", cfg, "cpu") is want
+    assert "AMD EPYC" in caplog.text
+    assert resolve_dtype("bfloat16", cfg, "cpu") is torch.bfloat16
+    assert resolve_dtype("auto", cfg, "cuda") is torch.bfloat16
+    assert resolve_dtype("auto", _tiny_config(), "cpu") is torch.float32
+    if want is torch.float32:
+        assert "runs in float32" in caplog.text
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hybridkv"):
+            resolve_dtype("bfloat16", cfg, "cpu")
+        assert "no native bfloat16" in caplog.text
+
+
 # ----------------------------------------------------------------------------- generation config
 
 

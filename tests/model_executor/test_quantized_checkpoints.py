@@ -184,7 +184,7 @@ def test_dequantize_at_load_computes_the_same_model(v4_release, monkeypatch):
 
 
 def test_resident_weight_memory_is_the_checkpoint_size(v4_release, caplog):
-    """Loaded in the checkpoint's dtype (bfloat16), the model holds its weights in about the
+    """Loaded in bfloat16 (the checkpoint's dtype), the model holds its weights in about the
     bytes the checkpoint's tensors take. The startup log names the FP8 / FP4 tensors and the
     weight memory."""
     path = v4_release("fp4", "original")
@@ -192,7 +192,7 @@ def test_resident_weight_memory_is_the_checkpoint_size(v4_release, caplog):
     file_bytes = sum(os.path.getsize(f) for f in files)
     tensor_bytes = sum(t.nbytes for n, t in read_checkpoint(path).items() if not n.startswith("mtp."))
     with caplog.at_level(logging.INFO, logger="hybridkv"):
-        llm = LLM(path, max_model_len=128, max_num_seqs=1)  # dtype auto = bfloat16 (torch_dtype)
+        llm = LLM(path, dtype="bfloat16", max_model_len=128, max_num_seqs=1)  # auto would be float32 without native bf16
     runner = llm.engine.runner
     assert runner.dtype == torch.bfloat16
     resident = weight_memory_bytes(runner.model)
@@ -213,9 +213,9 @@ def test_dequantized_memory_is_larger(v4_release, monkeypatch):
     """Dequantized at load, the same bfloat16 model holds its FP8 weights at 2 bytes and its
     FP4 experts at 2 bytes instead of 1 and 0.5 (plus scales)."""
     path = v4_release("fp4", "original")
-    compressed = weight_memory_bytes(LLM(path, max_model_len=128, max_num_seqs=1).engine.runner.model)
+    compressed = weight_memory_bytes(LLM(path, dtype="bfloat16", max_model_len=128, max_num_seqs=1).engine.runner.model)
     monkeypatch.setenv("HYBRIDKV_DEQUANTIZE_WEIGHTS", "1")
-    dense = weight_memory_bytes(LLM(path, max_model_len=128, max_num_seqs=1).engine.runner.model)
+    dense = weight_memory_bytes(LLM(path, dtype="bfloat16", max_model_len=128, max_num_seqs=1).engine.runner.model)
     print(f"\nbfloat16 weight memory: compressed {compressed} B, dequantized at load {dense} B")
     assert dense > 1.5 * compressed
 
