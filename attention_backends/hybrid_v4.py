@@ -98,7 +98,7 @@ def _per_query_scores_chunked(q: torch.Tensor, w: torch.Tensor, keys: torch.Tens
     # The first `main` entries of every row as [n, chunks, B, c], without a copy.
     chunks = keys.as_strided((n, main // B, B, c), (keys.stride(0), B * c, c, 1))
     s = torch.matmul(q[:, None], chunks.transpose(-1, -2)).relu_()  # [n, chunks, h, B]
-    out = torch.empty(n, L, dtype=torch.float32)
+    out = torch.empty(n, L, dtype=torch.float32, device=keys.device)
     out[:, :main] = torch.matmul(w[:, None, None, :], s).view(n, main)
     if main < L:
         tail = torch.bmm(q, keys[:, main:].transpose(1, 2)).relu_()  # [n, h, L - main]
@@ -118,7 +118,7 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """
     n, L = scores.shape
     if k >= L:
-        return torch.arange(L).expand(n, L)
+        return torch.arange(L, device=scores.device).expand(n, L)
     vals, idx = torch.topk(scores, k + 1, dim=-1)
     out = idx[:, :k].sort(dim=-1).values
     tied = ~(vals[:, k - 1] > vals[:, k])  # rows whose k-th score is shared with an entry left out
@@ -189,9 +189,9 @@ def block_candidates(scores: torch.Tensor, threshold: torch.Tensor, lo: int) -> 
         v = scores[r, c]
     per_row = torch.bincount(r, minlength=n)
     m = int(per_row.max())
-    pos = torch.arange(r.numel()) - (torch.cumsum(per_row, 0) - per_row)[r]  # rank within its row
-    cand_scores = torch.full((n, m), float("-inf"))
-    cand_idx = torch.zeros(n, m, dtype=torch.long)
+    pos = torch.arange(r.numel(), device=scores.device) - (torch.cumsum(per_row, 0) - per_row)[r]  # rank within its row
+    cand_scores = torch.full((n, m), float("-inf"), device=scores.device)
+    cand_idx = torch.zeros(n, m, dtype=torch.long, device=scores.device)
     cand_scores[r, pos] = v
     cand_idx[r, pos] = c + lo
     return cand_scores, cand_idx

@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -41,22 +40,12 @@ from safetensors.torch import save_file  # noqa: E402
 from hybridkv.engine.sampling_params import SamplingParams  # noqa: E402
 from hybridkv.entrypoints import LLM  # noqa: E402
 from hybridkv.model_executor.checkpoint import iter_weights, weight_files  # noqa: E402
+from hybridkv.model_executor.cpu_features import cpu_features  # noqa: E402
 from hybridkv.model_executor.quantization import (  # noqa: E402
     attach_block_scales, checkpoint_bytes, parse_quantization_config, weight_memory_bytes,
 )
 
 PROMPT_TOKENS = 32
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def build_quantized(path: str, model: str, hidden: int, layers: int) -> str:
@@ -198,7 +187,7 @@ def main() -> None:
             "FP8 expanded fp32": load_rss(quantized, "float32", dequantize=True),
         }
 
-    print(f"CPU: {cpu_name()}, torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, "
+    print(f"CPU: {cpu_features().describe()}, torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, "
           f"{args.threads} thread(s); {args.steps} decode steps x {args.rounds} rounds, batch 1")
     base = statistics.median(speeds["dense fp32"])
     bf16 = statistics.median(speeds["dense bf16"])

@@ -53,10 +53,6 @@ def build_checkpoint(path: str, index_heads: int = 8, index_dim: int = 64) -> st
     return build_v4_checkpoint(path, index_n_heads=index_heads, index_head_dim=index_dim, **BENCH_CONFIG)
 
 
-def cpu_model() -> str:
-    return cpu_features().describe()
-
-
 def gemm_gflops(threads: int, n: int = 2048, reps: int = 5) -> float:
     """fp32 matmul throughput on these threads (best of reps)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -195,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     gemm = gemm_gflops(args.threads)
-    print(f"CPU: {cpu_model()}; torch {torch.__version__}, {args.threads} threads; "
+    print(f"CPU: {cpu_features().describe()}; torch {torch.__version__}, {args.threads} threads; "
           f"fp32 GEMM (2048^3) {gemm:.1f} GFLOP/s", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or build_checkpoint(os.path.join(tmp, "v4"), args.index_heads, args.index_dim)
@@ -228,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
           f"head_dim {cfg.head_dim}, indexer {cfg.index_n_heads} x {cfg.index_head_dim} top-{cfg.index_topk}, ratios "
           f"{cfg.csa_ratio}/{cfg.hca_ratio}, window {cfg.sliding_window}, page {llm.engine.kv.page_size}, float32, "
           f"chunk {args.chunk}")
-    print(f"CPU: {cpu_model()}, {args.threads} threads; fp32 GEMM {gemm:.1f} GFLOP/s")
+    print(f"CPU: {cpu_features().describe()}, {args.threads} threads; fp32 GEMM {gemm:.1f} GFLOP/s")
     print(f"{'context':>8} {'decode tok/s':>12} {'vs ' + str(base['context']):>8} {'vs ' + str(args.ref_context):>8} "
           f"{'prefill s':>10} {'prefill tok/s':>13} {'GFLOP':>9} {'idx %':>6} {'GFLOP/s':>8} {'vs GEMM':>8} "
           f"{'prefill+decode s':>16} {'peak RSS MiB':>12} {'KV B/tok':>9}")

@@ -404,10 +404,10 @@ def resolve_dtype(dtype: str | torch.dtype, config, device: torch.device | str |
     if resolved == torch.float32:
         logger.info("dtype float32 on %s", cpu.describe())
         return resolved
-    if cpu.native(resolved):
-        logger.info("dtype %s: %s computes it natively", str(resolved).replace("torch.", ""), cpu.describe())
-        return resolved
     name = str(resolved).replace("torch.", "")
+    if cpu.native(resolved):
+        logger.info("dtype %s: %s computes it natively", name, cpu.describe())
+        return resolved
     if isinstance(dtype, str) and dtype.strip().lower() == "auto":
         logger.info("dtype auto: the checkpoint is %s, but %s has no native %s compute, so the model runs in "
                     "float32 (pass dtype=%r to force it)", name, cpu.describe(), name, name)
