@@ -56,6 +56,14 @@ class HybridLayout:
         return out
 
 
+def _is_run(slots: torch.Tensor) -> bool:
+    """Whether a 1-D slot list is one run of consecutive slots (checked on its ends first)."""
+    L = slots.numel()
+    if L < 2 or int(slots[-1]) - int(slots[0]) != L - 1:
+        return L == 1
+    return bool((slots[1:] - slots[:-1] == 1).all())
+
+
 class KeySet:
     """Keys a block of n queries may read: slots [L] (shared) or [n, L] (per query).
 
@@ -109,7 +117,11 @@ class KeySet:
         query may not read can hold any bytes, NaN included: the caller masks what it computes
         from them (the indexer's scores) and must not use them as values."""
         if self.pages is None:
-            return cache[self._slots[..., lo:hi]]
+            slots = self._slots[..., lo:hi]
+            if self.shared and _is_run(slots):
+                # Consecutive slots (the block pool hands out pages in order): a view, not a copy.
+                return cache[int(slots[0]) : int(slots[0]) + slots.numel()]
+            return cache[slots]
         spp = self.slots_per_page
         p0, p1 = lo // spp, -(-hi // spp)
         n = self.pages.shape[0]

@@ -85,7 +85,8 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: 
 SCORE_CHUNK = 512  # entries per matmul when a few decode queries score their own long key lists
 
 
-def _per_query_scores_chunked(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+def _per_query_scores_chunked(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float,
+                              out: torch.Tensor | None = None) -> torch.Tensor:
     """indexer_scores for per-query keys [n, L, c] with few queries (decode): q [n, h, c] against
     [n, L, c] is a matmul with only h rows per query, which oneDNN/MKL run far below their GEMM
     rate (~16 GFLOP/s measured at 32k entries); viewing the keys as SCORE_CHUNK-entry chunks
@@ -98,12 +99,54 @@ def _per_query_scores_chunked(q: torch.Tensor, w: torch.Tensor, keys: torch.Tens
     # The first `main` entries of every row as [n, chunks, B, c], without a copy.
     chunks = keys.as_strided((n, main // B, B, c), (keys.stride(0), B * c, c, 1))
     s = torch.matmul(q[:, None], chunks.transpose(-1, -2)).relu_()  # [n, chunks, h, B]
-    out = torch.empty(n, L, dtype=torch.float32, device=keys.device)
+    if out is None:
+        out = torch.empty(n, L, dtype=torch.float32, device=keys.device)
     out[:, :main] = torch.matmul(w[:, None, None, :], s).view(n, main)
     if main < L:
         tail = torch.bmm(q, keys[:, main:].transpose(1, 2)).relu_()  # [n, h, L - main]
         out[:, main:] = torch.bmm(w[:, None, :], tail).squeeze(1)
     return out.mul_(scale)
+
+
+# Decode rows whose indexer pages lie in runs of consecutive pages averaging at least this many
+# entries are scored on views of the key cache, run by run (no copy); other rows are gathered
+# page by page with the batch. A copy costs about its bytes at memory speed (~0.5 ms for 32k
+# entries of 64 floats, written and then read again, evicting the model's weights from the
+# cache on the way); a view costs one matmul call per run (~30 us), so short runs are cheaper
+# to copy. The block pool hands out pages in order, so a long request's pages mostly are runs.
+IN_PLACE_RUN_ENTRIES = 2048
+
+
+def paged_decode_scores(q: torch.Tensor, w: torch.Tensor, cache: torch.Tensor, iks: KeySet, scale: float,
+                        key_block: int) -> torch.Tensor:
+    """Masked indexer scores [n, L] of a page-form key set (decode rows), reading the key cache
+    in place where a row's pages are runs of consecutive pages (see IN_PLACE_RUN_ENTRIES)."""
+    n, L, spp = q.shape[0], iks.length, iks.slots_per_page
+    scores = torch.full((n, L), float("-inf"), dtype=torch.float32, device=q.device)
+    npages = -(-iks.visible // spp)  # [n] pages each row reads
+    pages = iks.pages
+    starts = torch.ones(pages.shape, dtype=torch.bool, device=pages.device)  # a run begins here
+    starts[:, 1:] = pages[:, 1:] != pages[:, :-1] + 1
+    starts &= torch.arange(pages.shape[1], device=pages.device) < npages[:, None]
+    in_place = (iks.visible >= starts.sum(dim=1) * IN_PLACE_RUN_ENTRIES) & (npages > 0)
+    for r in in_place.nonzero()[:, 0].tolist():
+        visible = int(iks.visible[r])
+        cols = starts[r].nonzero()[:, 0].tolist() + [int(npages[r])]
+        first = pages[r, cols[:-1]].tolist()
+        for a, b, page in zip(cols[:-1], cols[1:], first):
+            lo, hi = a * spp, min(visible, b * spp)
+            keys = cache[page * spp : page * spp + hi - lo].float()[None]  # a view: no copy
+            _per_query_scores_chunked(q[r : r + 1].float(), w[r : r + 1].float(), keys, scale, out=scores[r : r + 1, lo:hi])
+    rest = (~in_place).nonzero()[:, 0]
+    if rest.numel():
+        sub = KeySet(pages=pages[rest], slots_per_page=spp, length=L, visible=iks.visible[rest])
+        qr, wr = q[rest], w[rest]
+        part = torch.empty(rest.numel(), L, dtype=torch.float32, device=q.device)
+        for lo in range(0, L, key_block):
+            hi = min(L, lo + key_block)
+            part[:, lo:hi] = indexer_scores(qr, wr, sub.read_unmasked(cache, lo, hi), scale)
+        scores[rest] = part.masked_fill_(~sub.column_mask(0, L), float("-inf"))
+    return scores
 
 
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -281,6 +324,8 @@ def indexer_topk(indexer: IndexerQuery, rows: slice, iks: KeySet, k: int, key_bl
 
     if step < n:
         return blockwise_topk(block_scores, n, L, k, key_block)
+    if iks.pages is not None:
+        return select_topk(paged_decode_scores(q, w, indexer.keys, iks, indexer.scale, key_block), k)
     scores = torch.empty(n, L, dtype=torch.float32, device=q.device)
     for lo in range(0, L, key_block):
         hi = min(L, lo + key_block)

@@ -1,47 +1,41 @@
-"""Offline throughput: hybridkv vs transformers on the shared token-exact workloads.
+"""Offline throughput: hybridkv vs transformers (and vLLM-CPU) on the shared token-exact workloads.
 
 Runs every workload of benchmarks/workloads.json (a copy of ../shared/bench/workloads.json)
 through hybridkv's LLM and, in the same process, through transformers' batched `generate`
-on the same converted demo model, then prints tokens/s, wall times and ratios. The last
-column repeats vLLM-CPU 0.32's figures measured on this kind of machine (bench/README.md),
-for orientation only: they were not measured in this run.
+on the same converted demo model; with `--peer vllm`, also through vLLM's CPU build via
+../shared/bench/vllm_cpu/ (peer_vllm.py; its venv must exist). Prints tokens/s, wall times,
+the ratios, the dtype each engine ran, and a roofline measured in the same run (roofline.py:
+copy bandwidth -> decode limit, GEMM rate -> prefill limit) with each workload's fraction of it.
 
-    python benchmarks/offline_throughput.py [--dtype bfloat16] [--repeats 3] [--skip-hf]
+    python benchmarks/offline_throughput.py [--dtype auto] [--repeats 3] [--skip-hf] [--peer vllm]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 
 import torch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, also when loaded by path
+import peer_vllm  # noqa: E402  (benchmarks/ is the script's directory)
+import roofline  # noqa: E402
 from hybridkv.entrypoints import LLM, SamplingParams  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VLLM_CPU = {"a_decode": "70.9 tok/s", "b_batch32": "778 tok/s (5.26 s)", "c_prefill": "2622 tok/s (0.39 s)",
-            "d_prefix_off": "13.2 s", "d_prefix_on": "5.4 s",
-            "d_prefix_on_lpm": "5.4 s (fcfs)"}
 
 
 def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return roofline.median_seconds(fn, repeats, warmup=False)  # the callers warm up themselves
 
 
 def hybridkv_runs(args, w):
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
 
     def engine(**extra) -> LLM:
-        llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, seed=0, **extra)
+        llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, seed=0, num_threads=args.threads, **extra)
         llm.generate([{"prompt_token_ids": p} for p in w["warmup"]["prompts_ids"]], greedy(8), use_tqdm=False)
         return llm
 
@@ -60,7 +54,7 @@ def hybridkv_runs(args, w):
         "c_prefill": timed(llm, [c["prompt_ids"]], 1),
         "d_prefix_on": timed(llm, d["prompts_ids"], d["max_tokens"]),
     }
-    model_dir = llm.engine.model_dir
+    model_dir, dtype = llm.engine.model_dir, llm.engine.runner.dtype
     llm = None  # free this engine's KV cache before building the next one
     # The same workload with cache-aware admission: lpm + in-batch prefix grouping runs one
     # request of the shared prefix first so the other 31 hit it instead of computing it too.
@@ -69,13 +63,12 @@ def hybridkv_runs(args, w):
     llm = None
     llm = engine(enable_prefix_caching=False)
     res["d_prefix_off"] = timed(llm, d["prompts_ids"], d["max_tokens"])
-    return res, model_dir
+    return res, model_dir, dtype
 
 
-def hf_runs(args, w, model_dir):
+def hf_runs(args, w, model_dir, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "auto": torch.float32}[args.dtype]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
     def gen(prompts, n):
@@ -96,17 +89,34 @@ def hf_runs(args, w, model_dir):
     }
 
 
+def fmt(n: int | None, t: float | None) -> str:
+    if t is None:
+        return "-"
+    return f"{n / t:8.1f} tok/s {t:6.2f}s" if n else f"{t:6.2f}s"
+
+
+def ratio(other_t: float | None, t: float) -> str:
+    """hybridkv's speedup: the other engine's time over hybridkv's."""
+    return "-" if other_t is None else f"{other_t / t:6.2f}x"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the built-in demo model")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="auto: bfloat16 where the CPU computes it natively, else float32")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--peer", choices=["none", "vllm"], default="none", help="also run vLLM-CPU in this sitting")
+    ap.add_argument("--peer-dir", default=peer_vllm.DEFAULT_PEER_DIR, help="where setup.sh built the vLLM-CPU venv")
+    ap.add_argument("--peer-harness", default=peer_vllm.DEFAULT_HARNESS, help="../shared/bench/vllm_cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--workloads", default=os.path.join(HERE, "workloads.json"))
     args = ap.parse_args()
     with open(args.workloads) as f:
         w = json.load(f)
+    if args.peer == "vllm" and (why := peer_vllm.missing(args.peer_dir, args.peer_harness)):
+        sys.exit(f"--peer vllm: {why}")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -118,26 +128,42 @@ def main() -> None:
         "d_prefix_on_lpm": None,
         "d_prefix_off": None,
     }
-    ours, model_dir = hybridkv_runs(args, w)
-    theirs = {} if args.skip_hf else hf_runs(args, w, model_dir)
+    ours, model_dir, dtype = hybridkv_runs(args, w)
+    theirs = {} if args.skip_hf else hf_runs(args, w, model_dir, dtype)
+    peer, peer_name = {}, "vLLM-CPU (not run: --peer vllm)"
+    if args.peer == "vllm":
+        peer, peer_name = peer_vllm.vllm_runs(model_dir, str(dtype).removeprefix("torch."), args.repeats,
+                                              args.peer_dir, args.peer_harness)
     from hybridkv.model_executor.cpu_features import cpu_features
 
+    bandwidth, gemm = roofline.copy_bandwidth(), roofline.gemm_rate(dtype)
+    cost = roofline.dense_model_cost(model_dir, dtype)
+    b = w["b_batch32"]
+    limits = {  # tok/s bounds for the workloads with a throughput figure
+        "a_decode": cost.decode_limit(bandwidth, gemm),
+        "b_batch32": cost.decode_limit(bandwidth, gemm, batch=len(b["prompts_ids"])),
+        "c_prefill": work["c_prefill"] * gemm / cost.prefill_flops(work["c_prefill"]),
+    }
+
     print(f"\nCPU: {cpu_features().describe()}")
-    print(f"dtype={args.dtype} threads={torch.get_num_threads()} repeats={args.repeats} (median wall time)")
-    print(f"{'workload':<14}{'hybridkv':>22}{'transformers':>22}{'ratio':>8}   vLLM-CPU 0.32 (README, not this run)")
+    print(f"dtype: hybridkv {dtype}, transformers {dtype}, vLLM-CPU {dtype if peer else '-'}; "
+          f"threads={torch.get_num_threads()} repeats={args.repeats} (median wall time)")
+    print(f"roofline (this run): copy {bandwidth / 1e9:.1f} GB/s / {cost.weight_bytes / 1e6:.0f} MB of weights "
+          f"per step -> decode <= {limits['a_decode']:.1f} tok/s at batch 1, {limits['b_batch32']:.0f} tok/s at "
+          f"batch {len(b['prompts_ids'])} (b's prefill not counted); GEMM {gemm / 1e9:.0f} GFLOP/s -> "
+          f"prefill <= {limits['c_prefill']:.0f} tok/s at {work['c_prefill']} tokens")
+    print(f"{'workload':<16}{'hybridkv':>22}{'transformers':>22}{'vLLM-CPU':>22}{'vs hf':>8}{'vs vLLM':>9}{'of limit':>10}")
     for key in ["a_decode", "b_batch32", "c_prefill", "d_prefix_off", "d_prefix_on", "d_prefix_on_lpm"]:
-        t = ours[key]
-        n = work[key]
-        ours_s = f"{n / t:8.1f} tok/s {t:6.2f}s" if n else f"{t:6.2f}s"
-        ref_key = "d_prefix_off" if key.startswith("d_prefix_on") else key
-        if ref_key in theirs:
-            tt = theirs[ref_key]
-            theirs_s = f"{n / tt:8.1f} tok/s {tt:6.2f}s" if n else f"{tt:6.2f}s"
-            ratio = f"{tt / t:7.2f}x"
-        else:
-            theirs_s, ratio = "-", "-"
-        print(f"{key:<14}{ours_s:>22}{theirs_s:>22}{ratio:>8}   {VLLM_CPU[key]}")
+        t, n = ours[key], work[key]
+        hf_key = "d_prefix_off" if key.startswith("d_prefix_on") else key  # transformers has no prefix cache
+        peer_key = "d_prefix_on" if key == "d_prefix_on_lpm" else key
+        limit = f"{n / t / limits[key]:9.2f}" if key in limits else "-"
+        print(f"{key:<16}{fmt(n, t):>22}{fmt(n, theirs.get(hf_key)):>22}{fmt(n, peer.get(peer_key)):>22}"
+              f"{ratio(theirs.get(hf_key), t):>8}{ratio(peer.get(peer_key), t):>9}{limit:>10}")
+    print(f"peer: {peer_name}; ratios are speedups of hybridkv (other engine's time / hybridkv's)")
     print(f"prefix caching speedup on d (same run): {ours['d_prefix_off'] / ours['d_prefix_on']:.2f}x")
+    result = {key: ours[key] for key in ours} | {f"vllm_{k}": v for k, v in peer.items()}
+    print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()))
 
 
 if __name__ == "__main__":

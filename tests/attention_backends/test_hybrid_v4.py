@@ -294,6 +294,49 @@ def test_page_form_key_set_reads_the_same_keys_and_slots_as_the_slot_form():
         assert torch.equal(indexer_topk(iq, slice(0, n), ks, 4, key_block), indexer_topk(iq, slice(0, n), slot_form, 4, key_block))
 
 
+def test_shared_key_set_over_consecutive_slots_reads_a_view_equal_to_the_gather():
+    """A prefill key block whose slots are consecutive is read as a view of the cache (no copy);
+    any other slot list is gathered. Both must be exactly cache[slots]."""
+    cache = torch.randn(50, 3)
+    for slots in (torch.arange(7, 27), torch.tensor([7, 8, 9, 11, 12]), torch.tensor([9, 8, 7]),
+                  torch.tensor([4]), torch.tensor([5, 6, 7, 6, 9])):
+        ks = KeySet(slots, visible=torch.tensor([slots.numel()]))
+        for lo, hi in ((0, slots.numel()), (1, slots.numel()), (0, 0)):
+            got = ks.read_unmasked(cache, lo, hi)
+            assert torch.equal(got, cache[slots[lo:hi]])
+            run = hi - lo >= 1 and bool((slots[lo + 1 : hi] - slots[lo : hi - 1] == 1).all())
+            assert (got.data_ptr() == cache[int(slots[lo]):].data_ptr()) == run if hi > lo else True
+
+
+@pytest.mark.parametrize("run_entries", [1, 24, 10**9])
+def test_decode_rows_scored_in_place_over_page_runs_pick_the_gathered_entries(run_entries, monkeypatch):
+    """Decode rows whose pages are runs of consecutive pages are scored on views of the key
+    cache (paged_decode_scores), the others gathered: with integer-exact data both must give
+    exactly the one-shot scores and top-k of the per-entry slot list, whatever the split
+    (every row in place, some, none), with rows of one run, several runs, scattered pages,
+    a partial last page and no entries at all."""
+    monkeypatch.setattr(hybrid_v4, "IN_PLACE_RUN_ENTRIES", run_entries)
+    g = torch.Generator().manual_seed(13)
+    spp, heads, c, num_pages, k = 8, 3, 5, 64, 6
+    rows = [list(range(10, 18)),  # one run of 8 pages
+            list(range(30, 34)) + list(range(2, 6)),  # two runs
+            [40, 7, 51, 3, 60, 20, 9, 44],  # scattered
+            list(range(20, 28)),  # one run, partial last page
+            [1] * 8]  # nothing visible
+    pages = torch.tensor(rows)
+    visible = torch.tensor([64, 64, 61, 59, 0])
+    n, L = pages.shape[0], int(visible.max())
+    cache = torch.randint(-2, 3, (num_pages * spp, c), generator=g).float()
+    q = torch.randint(-2, 3, (n, heads, c), generator=g).float()
+    weights = torch.randint(-2, 3, (n, heads), generator=g).float() / 4
+    ks = KeySet(pages=pages, slots_per_page=spp, length=L, visible=visible)
+    slot_form = KeySet(ks.slots, visible=visible)
+    full = indexer_scores(q, weights, cache[slot_form.slots], 0.25).masked_fill(~slot_form.mask, float("-inf"))
+    assert torch.equal(hybrid_v4.paged_decode_scores(q, weights, cache, ks, 0.25, key_block=16), full)
+    iq = IndexerQuery(q, weights, cache, INDEXER, k, 0.25)
+    assert torch.equal(indexer_topk(iq, slice(0, n), ks, k), select_topk(full, k))
+
+
 def test_online_joint_attention_equals_one_pass_softmax():
     g = torch.Generator().manual_seed(6)
     n, L1, L2, slots = 5, 9, 70, 200

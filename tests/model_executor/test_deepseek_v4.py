@@ -176,3 +176,33 @@ def test_preemption_under_a_tight_budget_keeps_outputs(v4_ckpt):
     _, got = _run(llm, prompts, max_tokens=20)
     assert got == want
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run_entries", [1, 16])
+def test_decode_reading_indexer_keys_in_place_matches_transformers(v4_ckpt, monkeypatch, run_entries):
+    """Decode rows whose indexer pages are runs of consecutive pages score the key cache in
+    place (views, no copy); the threshold that chooses them is lowered so that every decode
+    row (1) or only the longer ones (16) take that path at this length. Logits and tokens must
+    still be transformers' at every position."""
+    from hybridkv.attention_backends import hybrid_v4
+
+    monkeypatch.setattr(hybrid_v4, "IN_PLACE_RUN_ENTRIES", run_entries)
+    calls = []
+    real = hybrid_v4._per_query_scores_chunked
+
+    def spy(q, w, keys, scale, out=None):
+        calls.append(out is not None)  # the in-place path writes straight into the row's scores
+        return real(q, w, keys, scale, out=out)
+
+    monkeypatch.setattr(hybrid_v4, "_per_query_scores_chunked", spy)
+    path, block_size = v4_ckpt("yarn_w40_p32")
+    llm = _llm(path, block_size)
+    vocab = llm.engine.runner.config.vocab_size
+    prompts = {"long": _prompt(600, vocab, seed=3), "short": _prompt(90, vocab, seed=4)}
+    logits, tokens = _run(llm, prompts, max_tokens=12)
+    assert any(calls), "no decode row was scored in place"
+    for rid, ids in prompts.items():
+        ref = _reference(path, (ids + tokens[rid])[:-1])
+        torch.testing.assert_close(logits[rid], ref, atol=ATOL, rtol=0)
+        assert tokens[rid] == ref[len(ids) - 1 :].argmax(-1).tolist(), rid
