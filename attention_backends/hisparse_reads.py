@@ -19,6 +19,7 @@ the buffer is exactly attention over the full history. Prefill rows read the mir
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -97,29 +98,36 @@ class HiSparseLayer:
     hot: torch.Tensor  # [buffers.num_slots, D]
 
 
-def _copy_in(hot: torch.Tensor, mirror: torch.Tensor, slots: torch.Tensor, missed: torch.Tensor,
-             mirror_slots: torch.Tensor) -> None:
-    if bool(missed.any()):
-        hot.index_copy_(0, slots[missed], mirror[mirror_slots[missed]].to(hot.dtype))
+def swap_in(buffers: HotBuffers, layer: int, rows: torch.Tensor, entries: torch.Tensor, hot: torch.Tensor,
+            mirror: torch.Tensor, mirror_slots: torch.Tensor, insert: bool = False) -> torch.Tensor:
+    """Place entries [n, k] (NO_ENTRY: nothing) of buffer rows [n] in layer's hot buffers and copy
+    the misses in from the mirror (their slots there: mirror_slots [n, k]); returns the global
+    buffer slots [n, k] to read. The torch twin of the Triton backend's fused swap-in kernel."""
+    a = buffers.assign(layer, rows, entries, insert=insert)
+    if bool(a.missed.any()):
+        hot.index_copy_(0, a.slots[a.missed], mirror[mirror_slots[a.missed]].to(hot.dtype))
+    return a.slots
 
 
-def prepare_layer(step: HiSparseStep, layer: int, hot: torch.Tensor, mirror: torch.Tensor) -> None:
+SwapIn = Callable[..., torch.Tensor]  # swap_in's signature: a backend may bring its own
+
+
+def prepare_layer(step: HiSparseStep, layer: int, hot: torch.Tensor, mirror: torch.Tensor,
+                  swap: SwapIn = swap_in) -> None:
     """Hand-offs and new entries of this CSA layer into its buffers (after the compressor wrote
     the step's entries to the mirror, before any selection reads them)."""
     b = step.buffers
     if step.handoff_rows.numel():
-        a = b.assign(layer, step.handoff_rows, step.handoff_entries, insert=True)
-        _copy_in(hot, mirror, a.slots, a.missed, step.handoff_slots)
+        swap(b, layer, step.handoff_rows, step.handoff_entries, hot, mirror, step.handoff_slots, insert=True)
     if step.new_rows.numel():
-        a = b.assign(layer, step.new_rows, step.new_entries, insert=True)
-        _copy_in(hot, mirror, a.slots, a.missed, step.new_slots[:, None])
+        swap(b, layer, step.new_rows, step.new_entries, hot, mirror, step.new_slots[:, None], insert=True)
 
 
 def select_from_buffer(step: HiSparseStep, layer: int, hot: torch.Tensor, mirror: torch.Tensor, start: int,
-                       end: int, entries: KeySet, idx: torch.Tensor) -> KeySet:
+                       end: int, entries: KeySet, idx: torch.Tensor, swap: SwapIn = swap_in) -> KeySet:
     """Decode rows [start, end): the selected columns idx [n, k] of their causal C4 entries
     (entry w = column w), read from the hot buffer after copying the misses in."""
     valid = idx < entries.visible[:, None]
-    a = step.buffers.assign(layer, step.rows[start:end], torch.where(valid, idx, NO_ENTRY))
-    _copy_in(hot, mirror, a.slots, a.missed, entries.slots_of(idx))
-    return KeySet(a.slots, explicit_mask=valid)
+    slots = swap(step.buffers, layer, step.rows[start:end], torch.where(valid, idx, NO_ENTRY), hot, mirror,
+                 entries.slots_of(idx))
+    return KeySet(slots, explicit_mask=valid)

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from hybridkv.attention_backends.hisparse_reads import HiSparseLayer, select_from_buffer
+from hybridkv.attention_backends.hisparse_reads import HiSparseLayer, select_from_buffer, swap_in
 from hybridkv.attention_backends.hybrid_metadata import HybridAttentionMetadata, KeySet, QueryBlock
 
 INDEXER_SCORE_ELEMS = 1 << 24  # cap on [queries, heads, entries] elements per indexer matmul
@@ -448,7 +448,9 @@ class HybridV4Attention:
         idx = self.topk(indexer, rows, blk.entries[indexer.space], min(indexer.topk, ks.length))
         if hisparse is not None and blk.start < meta.num_decodes:
             h = hisparse
-            return h.hot, select_from_buffer(h.step, h.layer, h.hot, entry_cache, blk.start, blk.end, ks, idx)
+            return h.hot, select_from_buffer(h.step, h.layer, h.hot, entry_cache, blk.start, blk.end, ks, idx,
+                                             self.swap_in)
         return entry_cache, ks.take(idx)
 
     topk = staticmethod(indexer_topk)  # the Triton backend scores with its kernel
+    swap_in = staticmethod(swap_in)  # HiSparse's hot-buffer swap-in; the Triton backend fuses it in one kernel

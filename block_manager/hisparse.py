@@ -56,13 +56,15 @@ class Assignment:
 class HotBuffers:
     """Which C4 entry each buffer slot holds, per CSA layer and buffer row, with an LRU clock."""
 
-    def __init__(self, num_layers: int, max_requests: int, size: int, topk: int) -> None:
+    def __init__(self, num_layers: int, max_requests: int, size: int, topk: int,
+                 device: torch.device | str = "cpu") -> None:
         if size < topk:
             raise ValueError(f"hisparse hot_buffer_size {size} is smaller than the model's index_topk {topk}: "
                              "one step's selection must fit in the buffer")
         self.num_layers, self.max_requests, self.size, self.topk = num_layers, max_requests, size, topk
-        self.entry = torch.full((num_layers, max_requests, size), NO_ENTRY, dtype=torch.long)
-        self.last_use = torch.zeros((num_layers, max_requests, size), dtype=torch.long)
+        # On the device of the hot buffers, where a fused swap-in kernel reads and updates them.
+        self.entry = torch.full((num_layers, max_requests, size), NO_ENTRY, dtype=torch.long, device=device)
+        self.last_use = torch.zeros((num_layers, max_requests, size), dtype=torch.long, device=device)
         self.clock = 0
         self.stats = HiSparseStats()
         self._rows: dict[str, int] = {}
@@ -70,7 +72,7 @@ class HotBuffers:
         # Per-row [lookups, hits] of the current holder (tensor adds inside a layer, no Python
         # loop over requests), folded into per-request totals when the row is released; those
         # are kept across preemptions and dropped by forget() when the request is done.
-        self._row_counts = torch.zeros(max_requests, 2, dtype=torch.long)
+        self._row_counts = torch.zeros(max_requests, 2, dtype=torch.long, device=device)
         self._per_request: dict[str, list[int]] = {}
 
     @property
@@ -138,7 +140,9 @@ class HotBuffers:
         if k > S:
             raise ValueError(f"{k} entries at once do not fit a hot buffer of {S}")
         if n == 0 or k == 0:
-            return Assignment(torch.zeros(n, k, dtype=torch.long), torch.zeros(n, k, dtype=torch.bool))
+            return Assignment(torch.zeros(n, k, dtype=torch.long, device=entries.device),
+                              torch.zeros(n, k, dtype=torch.bool, device=entries.device))
+        rows = rows.to(self.entry.device)
         held = self.entry[layer, rows]  # [n, S]
         used = self.last_use[layer, rows]
         valid = entries != NO_ENTRY
@@ -147,7 +151,7 @@ class HotBuffers:
         found = valid & (ordered.gather(1, pos) == entries)
         hit_slot = order.gather(1, pos)
         # Victims: empty slots first, then least recently used; slots holding a hit never.
-        protected = torch.zeros(n, S + 1, dtype=torch.bool)
+        protected = torch.zeros(n, S + 1, dtype=torch.bool, device=held.device)
         protected.scatter_(1, torch.where(found, hit_slot, S), True)
         key = torch.where(held == NO_ENTRY, -1, used)
         key = key.masked_fill(protected[:, :S], torch.iinfo(torch.long).max)
@@ -155,12 +159,24 @@ class HotBuffers:
         missed = valid & ~found
         rank = (torch.cumsum(missed, dim=1) - 1).clamp(min=0)
         slot = torch.where(found, hit_slot, victims.gather(1, rank))
-        self.clock += 1
+        clock = self.tick()
         write = torch.where(valid, slot, S)  # column S: a scratch column for the invalid ones
         held = torch.cat([held, held.new_full((n, 1), NO_ENTRY)], dim=1).scatter_(1, write, entries)
-        used = torch.cat([used, used.new_zeros(n, 1)], dim=1).scatter_(1, write, self.clock)
+        used = torch.cat([used, used.new_zeros(n, 1)], dim=1).scatter_(1, write, clock)
         self.entry[layer, rows] = held[:, :S]
         self.last_use[layer, rows] = used[:, :S]
+        self.account(rows, valid, found, insert)
+        glob = torch.where(valid, 1 + rows[:, None] * S + slot, 0)
+        return Assignment(glob, missed)
+
+    def tick(self) -> int:
+        """The LRU clock value of the next assignment (every slot it places is stamped with it).
+        An executor that places entries itself (a fused swap-in kernel) takes it from here."""
+        self.clock += 1
+        return self.clock
+
+    def account(self, rows: torch.Tensor, valid: torch.Tensor, found: torch.Tensor, insert: bool) -> None:
+        """Count one assignment's lookups and hits (valid / found [n, k] for buffer rows [n])."""
         n_valid, n_found = int(valid.sum()), int(found.sum())
         if insert:
             self.stats.inserted += n_valid - n_found
@@ -169,8 +185,6 @@ class HotBuffers:
             self.stats.hits += n_found
             self.stats.loaded += n_valid - n_found
             self._row_counts.index_add_(0, rows, torch.stack([valid.sum(dim=1), found.sum(dim=1)], dim=1))
-        glob = torch.where(valid, 1 + rows[:, None] * S + slot, 0)
-        return Assignment(glob, missed)
 
     def check_invariants(self) -> None:
         """No entry twice in one buffer row; free rows are empty."""

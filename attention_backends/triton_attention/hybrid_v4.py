@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from hybridkv.attention_backends.hisparse_reads import HiSparseLayer
+from hybridkv.attention_backends.triton_attention.hisparse_swap_in import triton_swap_in
 from hybridkv.attention_backends.hybrid_metadata import HybridAttentionMetadata, KeySet
 from hybridkv.attention_backends.hybrid_v4 import (
     INDEXER_BLOCK_ELEMS, INDEXER_KEY_BLOCK, HybridV4Attention, IndexerQuery, blockwise_topk,
@@ -207,10 +208,12 @@ class TritonHybridV4Attention(HybridV4Attention):
     """HybridV4Attention with the indexer scoring and the attention itself as Triton kernels.
 
     Which entries a block reads is the reference's `entries` (HiSparse decode rows included:
-    their key set then points into the hot buffer), with its `topk` scoring by kernel."""
+    their key set then points into the hot buffer), with its `topk` scoring by kernel and
+    HiSparse's swap-in (hits, LRU victims, slot map, copy) as one fused kernel."""
 
     name = "hybrid_v4_triton"
     topk = staticmethod(triton_indexer_topk)
+    swap_in = staticmethod(triton_swap_in)
 
     def forward(
         self,

@@ -120,7 +120,7 @@ class V4Attention(nn.Module):
             entry_cache, entry_space = cache.compressor.entries, C4
             if cache.hot is not None and meta.hisparse is not None:
                 hisparse = HiSparseLayer(meta.hisparse, cache.hot_layer, cache.hot)
-                prepare_layer(meta.hisparse, cache.hot_layer, cache.hot, entry_cache)
+                prepare_layer(meta.hisparse, cache.hot_layer, cache.hot, entry_cache, self.backend.swap_in)
         elif self.layer_type == HCA:
             self._compress(self.compressor, cache.compressor, x, meta, C128)
             entry_cache, entry_space = cache.compressor.entries, C128
