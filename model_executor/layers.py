@@ -5,6 +5,7 @@ import functools
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -162,6 +163,50 @@ class PackedLinearWeight:
         return out.view(*shape[:-1], self.out_features)
 
 
+# -- half-precision weights on CPUs without native half compute ---------------------------------
+#
+# On an AVX2-only CPU (e.g. AMD Zen 3) torch's bfloat16/float16 matmul of many rows runs 3-8x
+# slower than float32 (measured there: F.linear of 1,024 rows, 576 -> 1,536, 116 ms in bfloat16
+# vs 14 ms in float32), while a matmul of one or a few rows is as fast or faster (it is
+# bandwidth-bound and streams half the bytes: the demo model's 49k x 576 logits matrix, 4.0 vs
+# 9.9 ms at one row). So such weights stay in half precision -- half the memory, half the bytes
+# per decode step -- and an input of many rows (prefill) widens the weight to float32 for that
+# call: the conversion is one pass over the weight, small next to a GEMM of that many rows.
+# The crossover measured there: ~8 rows for the projections, ~24 for the logits matrix (whose
+# widening is DRAM-bound); WIDEN_MIN_ROWS and twice it for weights above LARGE_WEIGHT sit past both.
+WIDEN_MIN_ROWS = 16
+LARGE_WEIGHT = 1 << 22  # elements
+
+
+def cpu_computes_natively(dtype: torch.dtype) -> bool:
+    """Whether this CPU has native compute for `dtype` (cpu_features decides; tests patch this)."""
+    from hybridkv.model_executor.cpu_features import cpu_features
+
+    return cpu_features().native(dtype)
+
+
+def needs_widening(weight: torch.Tensor) -> bool:
+    """Whether `weight` is a half-precision CPU weight this CPU has no native compute for."""
+    return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+            and not cpu_computes_natively(weight.dtype))
+
+
+class WidenedLinearWeight:
+    """F.linear(x, weight, bias) for a half-precision weight on a CPU without native half
+    compute: as it is for inputs of few rows, through float32 (result rounded back to the input
+    dtype) for inputs of min_rows rows or more."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+        self.min_rows = WIDEN_MIN_ROWS * (2 if weight.numel() > LARGE_WEIGHT else 1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() < self.min_rows * x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+
+
 def pack_linear_weights(model: nn.Module) -> int:
     """Route every nn.Linear of `model` through a prepacked weight where `packing_supported`
     says so; the others keep plain F.linear. Returns how many were packed, and logs which path
@@ -172,6 +217,7 @@ def pack_linear_weights(model: nn.Module) -> int:
     """
     packed_by_dtype: dict[torch.dtype, int] = {}
     plain_by_dtype: dict[torch.dtype, int] = {}
+    widened_by_dtype: dict[torch.dtype, int] = {}
     for module in model.modules():
         if not isinstance(module, nn.Linear):
             continue
@@ -179,11 +225,18 @@ def pack_linear_weights(model: nn.Module) -> int:
         if packing_supported(module.weight):
             module.forward = PackedLinearWeight(module.weight, module.bias)  # instance attribute shadows nn.Linear.forward
             packed_by_dtype[dtype] = packed_by_dtype.get(dtype, 0) + 1
+        elif needs_widening(module.weight):
+            module.forward = WidenedLinearWeight(module.weight, module.bias)
+            widened_by_dtype[dtype] = widened_by_dtype.get(dtype, 0) + 1
         else:
             plain_by_dtype[dtype] = plain_by_dtype.get(dtype, 0) + 1
     capability = torch.backends.cpu.get_cpu_capability()
     for dtype, n in packed_by_dtype.items():
         logger.info("linear weights: %d %s layer(s) prepacked for oneDNN (CPU capability %s)", n, dtype, capability)
+    for dtype, n in widened_by_dtype.items():
+        logger.info("linear weights: %d %s layer(s) kept in %s, widened to float32 for inputs of >= %d rows "
+                    "(no native %s compute on this CPU, capability %s)", n, dtype, dtype, WIDEN_MIN_ROWS, dtype,
+                    capability)
     for dtype, n in plain_by_dtype.items():
         logger.info(
             "linear weights: %d %s layer(s) use plain F.linear (oneDNN prepacking is not available for "

@@ -20,6 +20,8 @@ from hybridkv.model_executor.layers import (
     RMSNorm,
     RotaryEmbedding,
     SiluAndMulMLP,
+    WidenedLinearWeight,
+    needs_widening,
     packing_supported,
     apply_rotary,
     pack_linear_weights,
@@ -106,7 +108,7 @@ class LlamaForCausalLM(CausalLM):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._packed_logits: PackedLinearWeight | None = None
+        self._packed_logits: PackedLinearWeight | WidenedLinearWeight | None = None
 
     # -- family differences -------------------------------------------------------------------
     @staticmethod
@@ -173,6 +175,8 @@ class LlamaForCausalLM(CausalLM):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if packing_supported(weight):
             self._packed_logits = PackedLinearWeight(weight)
+        elif needs_widening(weight):
+            self._packed_logits = WidenedLinearWeight(weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def rename(name: str) -> str | None:

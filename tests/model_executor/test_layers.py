@@ -20,7 +20,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 @pytest.fixture
 def no_avx512(monkeypatch):
-    """Pretend the CPU cannot prepack any dtype (what an AVX2-only CPU reports for bfloat16)."""
+    """Pretend the CPU cannot prepack any dtype and has no native bfloat16/float16 compute
+    (what an AVX2-only CPU such as AMD Zen 3 reports)."""
     asked: list[torch.dtype] = []
 
     def unsupported(dtype: torch.dtype) -> bool:
@@ -28,6 +29,7 @@ def no_avx512(monkeypatch):
         return False
 
     monkeypatch.setattr(layers, "cpu_supports_prepack", unsupported)
+    monkeypatch.setattr(layers, "cpu_computes_natively", lambda dtype: dtype == torch.float32)
     return asked
 
 
@@ -47,7 +49,9 @@ def test_probe_agrees_with_packing_on_this_cpu():
     assert layers.packing_supported(torch.zeros(4, 4, dtype=torch.float16)) is False  # oneDNN packing is not used for fp16
 
 
-def test_unsupported_cpu_keeps_plain_linear_and_logs_it(no_avx512, caplog):
+def test_unsupported_cpu_keeps_plain_linear_and_logs_it(no_avx512, monkeypatch, caplog):
+    """No prepacking, but native bfloat16 compute: plain F.linear."""
+    monkeypatch.setattr(layers, "cpu_computes_natively", lambda dtype: True)
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)).to(torch.bfloat16)
     x = torch.randn(3, 8, dtype=torch.bfloat16)
     want = model(x)
@@ -57,6 +61,26 @@ def test_unsupported_cpu_keeps_plain_linear_and_logs_it(no_avx512, caplog):
     assert torch.equal(model(x), want)
     assert "2 torch.bfloat16 layer(s) use plain F.linear" in caplog.text
     assert no_avx512 == [torch.bfloat16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_weights_without_native_compute_are_widened_for_many_rows(no_avx512, caplog, dtype):
+    """No native half compute (Zen 3): weights stay in half precision; inputs of few rows take
+    plain F.linear (bandwidth-bound, half the bytes), inputs of >= WIDEN_MIN_ROWS rows multiply
+    in float32 and round once to the input dtype."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)).to(dtype)
+    few = torch.randn(3, 8, dtype=dtype)
+    many = torch.randn(2, layers.WIDEN_MIN_ROWS, 8, dtype=dtype)
+    want_few = model(few)
+    lin = model[0]
+    want_many = nn.functional.linear(many.float(), lin.weight.float(), lin.bias.float()).to(dtype)
+    with caplog.at_level(logging.INFO, logger="hybridkv.model_executor.layers"):
+        assert pack_linear_weights(model) == 0
+    assert all(isinstance(m.__dict__.get("forward"), layers.WidenedLinearWeight) for m in model)
+    assert lin.weight.dtype == dtype  # kept in half precision
+    assert torch.equal(model(few), want_few)
+    assert torch.equal(lin(many), want_many) and lin(many).dtype == dtype
+    assert f"2 {dtype} layer(s) kept in {dtype}, widened to float32" in caplog.text
 
 
 @pytest.mark.skipif(not cpu_supports_prepack(torch.float32), reason="this CPU cannot prepack float32 weights")
@@ -72,17 +96,19 @@ def test_supported_dtype_is_prepacked_and_logged(caplog):
 
 
 def test_bfloat16_llama_loads_and_generates_without_avx512(tiny_ckpt, no_avx512, caplog):
-    """A tiny Llama in bfloat16 on a CPU that (pretends it) lacks AVX-512: it loads, every
-    projection and the logits matrix stay plain, and greedy generation matches the float32 run
-    on its first token and is deterministic."""
+    """A tiny Llama in bfloat16 on a CPU that (pretends it) lacks AVX-512: it loads, no
+    projection is prepacked, the projections and the logits matrix keep bfloat16 weights widened
+    for prefill-sized inputs, and greedy generation matches the float32 run on its first token
+    and is deterministic."""
     path = tiny_ckpt("llama")
     with caplog.at_level(logging.INFO, logger="hybridkv"):
         llm = LLM(path, dtype="bfloat16", max_model_len=128, max_num_seqs=2)
     model = llm.engine.runner.model
     assert llm.engine.runner.dtype == torch.bfloat16
-    assert not _packed_linears(model) and model._packed_logits is None
+    assert not _packed_linears(model) and isinstance(model._packed_logits, layers.WidenedLinearWeight)
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
     assert torch.bfloat16 in no_avx512
-    assert "use plain F.linear" in caplog.text
+    assert "widened to float32" in caplog.text
     prompts = [{"prompt_token_ids": [3, 17, 42, 99, 7]}, "the quick brown fox"]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     again = llm.generate(prompts, GREEDY, use_tqdm=False)
