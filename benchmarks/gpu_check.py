@@ -176,7 +176,8 @@ def hisparse_swap_in_check(rep: Report, device, quick: bool) -> None:
     g = torch.Generator(device=device).manual_seed(0)
     ref, fused = (HotBuffers(1, rows_n, size, k, device=device) for _ in range(2))
     for r in range(rows_n):
-        ref.acquire(f"r{r}"), fused.acquire(f"r{r}")
+        for buffers in (ref, fused):
+            buffers.acquire(f"r{r}")
     mirror = torch.randn(8 * size, D, device=device, generator=g)
     hot_ref = torch.zeros(ref.num_slots, D, device=device)
     hot_fused = hot_ref.clone()

@@ -175,3 +175,38 @@ def test_metrics_report_hit_rate_loads_and_mirror_use(v4_path):
     assert 'hybridkv:hisparse_hot_buffer_rows{model_name="m"} 0.0' in text
     mirror = llm.engine.kv.spaces["c4"]
     assert f'hybridkv:hisparse_mirror_pages{{model_name="m"}} {float(mirror.num_cached)}' in text
+
+
+def test_abort_mid_decode_releases_the_row_and_leaves_the_others_unchanged(v4_path):
+    """A request aborted while it decodes with a hot buffer: its buffer row is released (and
+    emptied) at once, a request that starts later reuses it with a fresh hand-off, and the
+    surviving requests' tokens are those of a run without the aborted one."""
+    path = v4_path("w16_topk8")
+    a, b, late = _prompts([300, 220, 180], seed=7)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = {o.request_id: o.outputs[0].token_ids for o in
+            LLM(path, **KW).generate([{"prompt_token_ids": p} for p in (a, late)], sp, use_tqdm=False)}
+    llm = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 16}, **KW)
+    eng = llm.engine
+    hs = eng.kv.hisparse
+    eng.add_request("a", {"prompt_token_ids": a}, sp)
+    eng.add_request("b", {"prompt_token_ids": b}, sp)
+    (b_seq,) = eng.sequence_ids("b")  # hot-buffer rows belong to sequences
+    out: dict[str, list[int]] = {}
+    for _ in range(400):  # until b has decoded a few tokens from its buffer
+        for o in eng.step():
+            out[o.request_id] = o.outputs[0].token_ids
+        if hs.row_of(b_seq) is not None and len(out.get("b", [])) >= 3:
+            break
+    row = hs.row_of(b_seq)
+    assert row is not None and len(out["b"]) < 12, "b never decoded from a hot buffer, or finished first"
+    eng.abort_request("b")
+    assert hs.row_of(b_seq) is None and hs.num_active == 1
+    assert bool((hs.entry[:, row] == -1).all()), "the aborted request's buffer row was not emptied"
+    hs.check_invariants()
+    eng.add_request("late", {"prompt_token_ids": late}, sp)
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            out[o.request_id] = o.outputs[0].token_ids
+    assert out["a"] == want["0"] and out["late"] == want["1"]
+    assert hs.num_active == 0 and hs.num_tracked == 0
