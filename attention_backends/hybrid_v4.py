@@ -452,5 +452,6 @@ class HybridV4Attention:
                                              self.swap_in)
         return entry_cache, ks.take(idx)
 
+    write = staticmethod(write_slots)  # cache rows into their slots; the Triton backend writes by kernel
     topk = staticmethod(indexer_topk)  # the Triton backend scores with its kernel
     swap_in = staticmethod(swap_in)  # HiSparse's hot-buffer swap-in; the Triton backend fuses it in one kernel

@@ -149,13 +149,22 @@ def cpu_supports_prepack(dtype: torch.dtype) -> bool:
     return True
 
 
+# The row count oneDNN lays a packed weight out for. The layout serves every row count, but its
+# speed depends on the hint: measured on Zen 3 (AVX2, float32, 2 threads), the demo model's
+# projections + logits for one decode step of M rows, weights cold as in a real step, hint 1 /
+# hint 16: M=1 33.9 / 31.9 ms, M=2 54.0 / 30.2, M=16 85.9 / 62.3, M=32 111.6 / 85.1, and a
+# 1,024-row prefill 2.29 / 2.14 s. A hint of 1 is tuned for one row and falls off a cliff from
+# two; 16 is as fast for one row and up to 1.8x faster for the batched decode steps a server runs.
+PACK_ROWS_HINT = 16
+
+
 class PackedLinearWeight:
     """A weight [N, K] prepacked for oneDNN; call it like F.linear(x, weight, bias)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features = weight.shape[0]
         self.bias = bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

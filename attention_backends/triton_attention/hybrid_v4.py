@@ -16,7 +16,8 @@ Same math as the torch-native reference (attention_backends/hybrid_v4.py), same 
 Reused from the torch reference, not kernelized: the top-k selection (select_topk /
 merge_topk through blockwise_topk, on the kernel's scores), HybridV4Attention.entries (which
 entries a block reads: KeySet.take of the chosen ones, or HiSparse's hot-buffer key set), the
-metadata itself, and the cache writes and compressor pooling (model side).
+metadata itself, and the compressor's pooling (model side). The cache writes the model makes
+through `backend.write` (SWA keys, compressor state rows, pooled entries) are kv_write.write_rows.
 
 Top-k guarantee: the selection is the reference's strict total order (score descending,
 then entry index ascending) applied to the kernel's scores, and blockwise selection equals
@@ -37,6 +38,7 @@ import triton.language as tl
 
 from hybridkv.attention_backends.hisparse_reads import HiSparseLayer
 from hybridkv.attention_backends.triton_attention.hisparse_swap_in import triton_swap_in
+from hybridkv.attention_backends.triton_attention.kv_write import write_rows
 from hybridkv.attention_backends.hybrid_metadata import HybridAttentionMetadata, KeySet
 from hybridkv.attention_backends.hybrid_v4 import (
     INDEXER_BLOCK_ELEMS, INDEXER_KEY_BLOCK, HybridV4Attention, IndexerQuery, blockwise_topk,
@@ -212,6 +214,7 @@ class TritonHybridV4Attention(HybridV4Attention):
     HiSparse's swap-in (hits, LRU victims, slot map, copy) as one fused kernel."""
 
     name = "hybrid_v4_triton"
+    write = staticmethod(write_rows)
     topk = staticmethod(triton_indexer_topk)
     swap_in = staticmethod(triton_swap_in)
 

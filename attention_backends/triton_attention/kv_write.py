@@ -1,9 +1,17 @@
-"""Writes the step's new keys and values into their cache slots.
+"""Writes the step's new cache rows into their slots.
 
-The cache of a layer is head-major, [Hkv, num_slots, D]; slot_mapping [T] names the slot of each
-new token (metadata.build_space_metadata). One program per token copies its [Hkv, D] key and
-value rows, so a step costs T programs whatever the pool size. Addresses are computed in int64:
-a pool of millions of slots times the head stride overflows int32.
+write_kv: a dense layer's cache is head-major, [Hkv, num_slots, D]; slot_mapping [T] names the
+slot of each new token (metadata.build_space_metadata). One program per token copies its [Hkv, D]
+key and value rows.
+
+write_rows: DeepSeek-V4's caches are one row per slot, [num_slots, D] (the SWA keys, the
+compressor's raw state rows and gates, the C4/C128/indexer entries a closed window pooled into;
+hybrid_metadata names their slots). One program per row copies it. Rows in another dtype are
+converted by torch first, as the torch twin (hybrid_v4.write_slots) does: a kernel-side cast
+rounds differently from torch's under the interpreter, and the cache must hold the same bits.
+
+Either way a step costs one program per new row whatever the pool size. Addresses are computed
+in int64: a pool of millions of slots times the row stride overflows int32.
 """
 from __future__ import annotations
 
@@ -51,4 +59,42 @@ def write_kv(
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         hkv, D,
         BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(D),
+    )
+
+
+@triton.jit
+def _row_write_kernel(
+    src_ptr, dst_ptr, slot_ptr,
+    stride_src_r, stride_src_d, stride_dst_s, stride_dst_d,
+    dim,
+    BLOCK_D: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    for start in range(0, dim, BLOCK_D):
+        d = start + tl.arange(0, BLOCK_D)
+        mask = d < dim
+        row = tl.load(src_ptr + r * stride_src_r + d * stride_src_d, mask=mask)
+        tl.store(dst_ptr + slot * stride_dst_s + d * stride_dst_d, row, mask=mask)
+
+
+ROW_BLOCK_D = 256  # columns per inner step: V4's head_dim (512) in two
+
+
+def write_rows(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """cache[slots[r]] = values[r] in cache's dtype, for every row r (cache [num_slots, D])."""
+    if not slots.numel():
+        return
+    if values.dim() != 2 or cache.dim() != 2 or values.shape[1] != cache.shape[1]:
+        raise ValueError(f"rows of shape {tuple(values.shape)} cannot be written into a cache of "
+                         f"shape {tuple(cache.shape)}")
+    if values.shape[0] != slots.numel():
+        raise ValueError(f"{values.shape[0]} rows for {slots.numel()} slots")
+    values = values.to(cache.dtype)  # a no-op when the model computes in the cache's dtype
+    D = cache.shape[1]
+    _row_write_kernel[(slots.numel(),)](
+        values, cache, slots,
+        *values.stride(), *cache.stride(),
+        D,
+        BLOCK_D=min(ROW_BLOCK_D, triton.next_power_of_2(D)),
     )

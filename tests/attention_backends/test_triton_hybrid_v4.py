@@ -92,6 +92,28 @@ def test_indexer_topk_picks_exactly_the_reference_entries_on_exact_data(small_bl
                 assert torch.equal(tv4.triton_indexer_topk(iq, slice(0, n), ks, k, key_block), want)
 
 
+@pytest.mark.parametrize("dim, dtype", [(16, torch.float32), (300, torch.float32), (24, torch.bfloat16)])
+def test_row_write_kernel_equals_index_copy(dim, dtype, monkeypatch):
+    """V4's cache writes (SWA keys, compressor state rows, pooled entries): every row lands in
+    its slot in the cache's dtype and no other slot changes; rows wider than one column block
+    (300 > 256) are written in several; a non-contiguous source (a column slice) too."""
+    g = torch.Generator().manual_seed(dim)
+    slots_n, rows = 40, 9
+    cache = torch.full((slots_n, dim), float("nan"), dtype=dtype)
+    slots = torch.randperm(slots_n, generator=g)[:rows]
+    src = torch.randn(rows, dim + 3, generator=g)[:, 1 : dim + 1]  # fp32 rows, strided
+    want = cache.clone()
+    HybridV4Attention.write(want, slots, src)
+    tv4.TritonHybridV4Attention.write(cache, slots, src)
+    assert torch.equal(cache[slots], want[slots])
+    untouched = torch.ones(slots_n, dtype=torch.bool)
+    untouched[slots] = False
+    assert cache[untouched].isnan().all(), "a slot no row was meant for was written"
+    tv4.TritonHybridV4Attention.write(cache, slots[:0], src[:0])  # an empty step writes nothing
+    with pytest.raises(ValueError, match="rows for"):
+        tv4.TritonHybridV4Attention.write(cache, slots[:2], src)
+
+
 @pytest.mark.parametrize("lengths", [(5, 0), (15, 17), (16, 16), (9, 40)])
 @pytest.mark.parametrize("layout", ["shared", "per_query"])
 def test_attention_kernel_equals_the_joint_softmax(lengths, layout, small_blocks):

@@ -17,7 +17,7 @@ from torch import nn
 
 from hybridkv.attention_backends.hisparse_reads import HiSparseLayer, prepare_layer
 from hybridkv.attention_backends.hybrid_metadata import C4, C128, INDEXER, HybridAttentionMetadata
-from hybridkv.attention_backends.hybrid_v4 import HybridV4Attention, IndexerQuery, write_slots
+from hybridkv.attention_backends.hybrid_v4 import HybridV4Attention, IndexerQuery
 from hybridkv.model_executor.models.deepseek_v4.compressor import Compressor
 from hybridkv.model_executor.models.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
 from hybridkv.model_executor.models.deepseek_v4.indexer import Indexer
@@ -92,15 +92,15 @@ class V4Attention(nn.Module):
                   out_space: str) -> None:
         """Write the new tokens' raw rows, then pool every window that closed this step."""
         kv, gate = comp.project(x)
-        write_slots(cache.state_kv, meta.state_slot_mapping, kv)
-        write_slots(cache.state_gate, meta.state_slot_mapping, gate)
+        self.backend.write(cache.state_kv, meta.state_slot_mapping, kv)
+        self.backend.write(cache.state_gate, meta.state_slot_mapping, gate)
         plan = meta.plans[self.plan_kind]
         if plan.num_entries:
             entries = comp.pool(
                 cache.state_kv[plan.row_slots], cache.state_gate[plan.row_slots], plan.row_valid, plan.positions,
                 cache.entries.dtype,
             )
-            write_slots(cache.entries, plan.out_slots[out_space], entries)
+            self.backend.write(cache.entries, plan.out_slots[out_space], entries)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: HybridAttentionMetadata) -> torch.Tensor:
         T, H, D = x.shape[0], self.num_heads, self.head_dim
@@ -109,7 +109,7 @@ class V4Attention(nn.Module):
         q = rms_normalize(self.wq_b(q_latent).view(T, H, D), self.eps)
         q = self.rope(q, positions)
         kv = self.rope(self.norm(self.wkv(x)), positions)
-        write_slots(cache.swa, meta.swa_slot_mapping, kv)
+        self.backend.write(cache.swa, meta.swa_slot_mapping, kv)
 
         entry_cache, entry_space, indexer_query, hisparse = None, None, None, None
         if self.layer_type == CSA:
