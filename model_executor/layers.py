@@ -150,11 +150,12 @@ def cpu_supports_prepack(dtype: torch.dtype) -> bool:
 
 
 # The row count oneDNN lays a packed weight out for. The layout serves every row count, but its
-# speed depends on the hint: measured on Zen 3 (AVX2, float32, 2 threads), the demo model's
-# projections + logits for one decode step of M rows, weights cold as in a real step, hint 1 /
-# hint 16: M=1 33.9 / 31.9 ms, M=2 54.0 / 30.2, M=16 85.9 / 62.3, M=32 111.6 / 85.1, and a
-# 1,024-row prefill 2.29 / 2.14 s. A hint of 1 is tuned for one row and falls off a cliff from
-# two; 16 is as fast for one row and up to 1.8x faster for the batched decode steps a server runs.
+# speed depends on the hint (benchmarks/packed_linear_hint.py: the demo model's projections +
+# logits for one step of M rows, weights from memory as in a real step). Zen 3 (AVX2, float32,
+# 2 threads), hint 1 / hint 16, two runs: M=1 33.9 / 31.9 and 33.9 / 31.1 ms, M=2 54.0 / 30.2 and
+# 62.4 / 32.9, M=16 85.9 / 62.3 and 93.9 / 82.8, M=32 111.6 / 85.1 and 158.1 / 92.9; a 1,024-row
+# prefill 2.29 / 2.14 s. A hint of 1 is tuned for one row and falls off a cliff from two; 16 is
+# as fast for one row and 1.1-1.9x faster for the batched decode steps a server runs.
 PACK_ROWS_HINT = 16
 
 

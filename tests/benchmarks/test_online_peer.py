@@ -121,3 +121,30 @@ def test_both_servers_run_in_turn_under_the_same_load(tiny_ckpt, tmp_path, monke
     for url in {c["base_url"] for c in calls}:
         with pytest.raises((urllib.error.URLError, ConnectionError)):
             urllib.request.urlopen(url + "/v1/models", timeout=2)
+
+
+def test_a_server_that_dies_before_it_is_ready_is_reported_at_once(tmp_path):
+    """No waiting out the ready timeout on a server that exited: the error names its exit code."""
+    cmd = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        online_peer.measure("dead", cmd, online_peer.free_port(), "m", online_peer.Load(), 1, 0, str(tmp_path),
+                            str(tmp_path), ready_timeout_s=60, pass_timeout_s=60)
+
+
+def test_a_pass_with_failed_requests_is_an_error_not_a_figure(tmp_path, monkeypatch):
+    """A load pass that completed fewer requests than it sent must not become a throughput figure."""
+    harness = tmp_path / "harness"
+    harness.mkdir()
+    (harness / "bench_serve.py").write_text(
+        "import argparse, json, os\nap = argparse.ArgumentParser()\n"
+        "ap.add_argument('--result-dir'); ap.add_argument('--result-filename')\n"
+        "a, _ = ap.parse_known_args()\n"
+        "json.dump({'completed': 3, 'errors': ['', 'ConnectionResetError', ''], 'duration': 1.0},"
+        " open(os.path.join(a.result_dir, a.result_filename), 'w'))\n")
+    peer = tmp_path / "peer" / "venv" / "bin"
+    peer.mkdir(parents=True)
+    (peer / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (peer / "python").chmod(0o755)
+    with pytest.raises(RuntimeError, match="3 of 4 requests completed.*ConnectionResetError"):
+        online_peer.bench_serve("http://127.0.0.1:1", "m", online_peer.Load(), 4, str(tmp_path / "peer"),
+                                str(harness), timeout_s=60)
