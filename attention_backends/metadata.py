@@ -20,8 +20,11 @@ the backend is sized batch x longest context.
 """
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field
+from functools import cached_property
 
+import numpy as np
 import torch
 
 from hybridkv.block_manager.space_spec import NULL_PAGE, window_start
@@ -44,7 +47,7 @@ class TileSizes:
 
 DEFAULT_TILES = TileSizes()
 NULL_SLOT = NULL_PAGE  # slot 0 of the null page (NULL_PAGE * slots_per_page): zeros, never written
-assert NULL_SLOT == 0, "decode tiles point invalid keys at the null page by multiplying with the mask"
+assert NULL_SLOT == 0, "decode tiles point invalid keys at the null page (page 0: slots below the page size)"
 
 
 @dataclass
@@ -71,14 +74,48 @@ class StepSequences:
             tables[name] = torch.tensor([r + [NULL_PAGE] * (width - len(r)) for r in rows], dtype=torch.int32)
         return cls(list(query_lens), list(context_lens), tables)
 
-    @property
+    @cached_property
     def num_decodes(self) -> int:
+        """Leading one-query sequences (the step's decode group)."""
         n = 0
         for q in self.query_lens:
             if q != 1:
                 break
             n += 1
         return n
+
+    # Per-step arrays every space's metadata reads, built once (int64; tensors share the memory).
+    @cached_property
+    def query_lens_array(self) -> np.ndarray:
+        return int_array(self.query_lens)
+
+    @cached_property
+    def context_lens_array(self) -> np.ndarray:
+        return int_array(self.context_lens)
+
+    @cached_property
+    def query_lens_tensor(self) -> torch.Tensor:
+        return torch.from_numpy(self.query_lens_array)
+
+    @cached_property
+    def context_lens_tensor(self) -> torch.Tensor:
+        return torch.from_numpy(self.context_lens_array)
+
+    @cached_property
+    def token_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(sequence index, position) of every token of the flat batch, in token order."""
+        q, ctx = self.query_lens_array, self.context_lens_array
+        if self.num_decodes == q.shape[0]:  # all decodes: one token per sequence
+            return np.arange(q.shape[0]), ctx - 1
+        seq = np.repeat(np.arange(q.shape[0]), q)
+        first_row = np.cumsum(q) - q
+        return seq, (ctx - q)[seq] + np.arange(seq.shape[0]) - first_row[seq]
+
+
+def int_array(values: list[int]) -> np.ndarray:
+    """int64 array of a list of Python ints, through a C array: several times cheaper than
+    torch.tensor(list) for the hundreds of per-sequence values a step carries."""
+    return np.frombuffer(array.array("q", values), dtype=np.int64) if values else np.zeros(0, dtype=np.int64)
 
 
 def token_slots(
@@ -101,7 +138,9 @@ class DecodeTile:
 
     seq: torch.Tensor  # [G] decode index (query row) of each item
     slots: torch.Tensor  # [G, W] int32 key slots; NULL_SLOT where masked
-    mask: torch.Tensor | None  # [G, W] bool (True = attend); None = every key is valid
+    # [G, W] bool, True = do NOT attend (the form masked_fill_ takes, so no layer negates it);
+    # None = every key is valid.
+    masked: torch.Tensor | None
 
 
 @dataclass
@@ -192,32 +231,36 @@ def _decode_tiles(
     """Split-KV plan of the decode queries: page-aligned items of about sizes.kv_chunk keys,
     packed into tiles of at most sizes.decode_tile_keys keys.
 
-    table [Bd, width], ctx [Bd] (the query sits at ctx - 1). Items are whole pages, so a
-    tile's slots are page bases + offsets (no per-key division); keys of a page outside
-    [window_start, query] are masked and pointed at the null page."""
+    table [Bd, width], ctx [Bd] (the query sits at ctx - 1), both on the CPU. Items are whole
+    pages, so a tile's slots are page bases + offsets (no per-key division); keys of a page
+    outside [window_start, query] are masked and pointed at the null page.
+
+    The plan works on arrays of one value per sequence or per page; it runs in numpy, whose
+    calls cost about a microsecond against several for a torch op on tensors this small (this
+    runs every step). Tensors share the arrays' memory (torch.from_numpy)."""
     P = page_size
-    ctx = ctx.to(torch.int32)  # int32 throughout: half the bytes of the per-key temporaries
-    pos = ctx - 1
-    kstart = window_start(pos, window)
+    tab = table.numpy()
+    pos = ctx.numpy().astype(np.int64) - 1
+    kstart = np.maximum(pos - window + 1, 0) if window is not None else np.zeros_like(pos)
     first_page = kstart // P
     n_pages = pos // P - first_page + 1  # pages each query reads, >= 1
     chunk_pages = max(1, sizes.kv_chunk // P)
-    n_items = (n_pages + chunk_pages - 1) // chunk_pages
+    n_items = -(-n_pages // chunk_pages)
     split = bool((n_items > 1).any())
-    seq, item_page, item_pages = torch.arange(ctx.shape[0]), first_page, n_pages
+    seq, item_page, item_pages = np.arange(pos.shape[0]), first_page, n_pages
     if split:
-        first_item = torch.cumsum(n_items, 0) - n_items
-        seq = torch.repeat_interleave(seq, n_items)
-        j = (torch.arange(seq.shape[0]) - first_item[seq]).to(torch.int32)
+        first_item = np.cumsum(n_items) - n_items
+        seq = np.repeat(seq, n_items)
+        j = np.arange(seq.shape[0]) - first_item[seq]
         item_page = first_page[seq] + j * chunk_pages
-        item_pages = (n_pages[seq] - j * chunk_pages).clamp(max=chunk_pages)
+        item_pages = np.minimum(n_pages[seq] - j * chunk_pages, chunk_pages)
     longest = int(item_pages.max())
     tile_pages = max(1, sizes.decode_tile_keys // P)
     if seq.shape[0] * longest <= tile_pages:
         groups = [(0, seq.shape[0], longest)]  # the common case: one tile, in sequence order
     else:
         # Longest items first, so each tile's width (its first item) wastes little on padding.
-        order = torch.argsort(item_pages, descending=True, stable=True)
+        order = np.argsort(-item_pages, kind="stable")
         seq, item_page, item_pages = seq[order], item_page[order], item_pages[order]
         lens = item_pages.tolist()
         groups, i = [], 0
@@ -226,22 +269,47 @@ def _decode_tiles(
             groups.append((i, min(len(lens), i + g), lens[i]))
             i += g
     # Slots and masks of every item at once (padded to the longest item, at most kv_chunk keys);
-    # each tile is a slice of them: a few tensor ops per step, whatever the number of tiles.
+    # each tile is a slice of them: a few ops per step, whatever the number of tiles. Validity
+    # is decided per page ([N, longest]: pages past the item read NULL_PAGE); only the two pages
+    # of an item that a query can read in part (the one holding the query, the one holding the
+    # window's start) are patched per key ([N, P]).
     n = seq.shape[0]
-    pidx = item_page[:, None] + torch.arange(longest, dtype=torch.int32)[None, :]  # [N, longest]
-    page = table[seq[:, None], pidx.clamp(max=table.shape[1] - 1)].to(torch.int32)
-    # Validity from each item's own offsets: one broadcast compare per bound (positions are
-    # never materialised), and none for the lower bound without a window.
-    rel = torch.arange(longest * P, dtype=torch.int32)[None, :]  # key offset inside the item
-    base = item_page * P  # position of each item's first key
-    valid = rel <= (pos[seq] - base)[:, None]
-    if window is not None:
-        valid &= rel >= (kstart[seq] - base)[:, None]
-    offsets = torch.arange(P, dtype=torch.int32)
-    slots = ((page * P).unsqueeze(-1) + offsets).view(n, -1)  # [N, longest * P]
-    slots = torch.where(valid, slots, NULL_SLOT)  # every invalid key reads the null page
-    tiles = [DecodeTile(seq[a:b], slots[a:b, : w * P], valid[a:b, : w * P]) for a, b, w in groups]
+    col = np.arange(longest)
+    pidx = item_page[:, None] + col
+    # Flat indices: numpy's take is several times faster than a broadcast 2-D fancy index.
+    flat = seq[:, None] * tab.shape[1] + np.minimum(pidx, tab.shape[1] - 1)
+    page = np.ascontiguousarray(tab).ravel().take(flat).astype(np.int32, copy=False)
+    page[col >= item_pages[:, None]] = NULL_PAGE
+    # The one per-key add runs in torch (numpy's broadcast over a short last axis is slower).
+    slots_t = (torch.from_numpy(page) * P).unsqueeze(-1) + torch.arange(P, dtype=torch.int32)
+    slots = slots_t.numpy()  # [N, longest, P], same memory
+    offsets = np.arange(P)
+    rows, spos = np.arange(n), pos[seq]
+    # Keys after the query in its own page (only in the item that holds the query).
+    holds_query = item_page + item_pages - 1 == spos // P
+    _patch(slots, rows, item_pages - 1, (offsets > (spos % P)[:, None]) & holds_query[:, None])
+    if window is not None:  # keys before the window's start in its first page
+        sstart = kstart[seq]
+        holds_start = item_page == sstart // P
+        _patch(slots, rows, np.zeros_like(rows), (offsets < (sstart % P)[:, None]) & holds_start[:, None])
+    slots = slots.reshape(n, -1)
+    # Exactly the masked keys read the null page (a real page's slots are all >= P), so the
+    # mask is one compare (numpy's is several times faster than torch's bool-output compare).
+    masked = slots < P  # True = do not attend
+    tiles = [
+        DecodeTile(torch.from_numpy(seq[a:b]), torch.from_numpy(slots[a:b, : w * P]), torch.from_numpy(masked[a:b, : w * P]))
+        for a, b, w in groups
+    ]
     return tiles, split
+
+
+def _patch(slots: np.ndarray, rows: np.ndarray, cols: np.ndarray, bad: np.ndarray) -> None:
+    """Point the keys `bad` [N, P] of page column cols[i] of item i at the null slot."""
+    pages = slots.reshape(-1, slots.shape[-1])  # [N * longest, P] view
+    idx = rows * slots.shape[1] + cols
+    block = pages[idx]  # [N, P] copy
+    block[bad] = NULL_SLOT
+    pages[idx] = block
 
 
 def build_space_metadata(
@@ -249,14 +317,12 @@ def build_space_metadata(
 ) -> SpaceAttentionMetadata:
     table = seqs.block_tables[space]
     nd = seqs.num_decodes
-    q_lens = torch.tensor(seqs.query_lens)
-    ctx = torch.tensor(seqs.context_lens)
-    # Where each new token is written: position of every token of the flat batch, one gather.
-    num_seqs = len(seqs.query_lens)
-    seq_of_token = torch.arange(num_seqs) if nd == num_seqs else torch.repeat_interleave(torch.arange(num_seqs), q_lens)
-    first_row = torch.cumsum(q_lens, 0) - q_lens
-    positions = (ctx - q_lens)[seq_of_token] + torch.arange(seq_of_token.shape[0]) - first_row[seq_of_token]
-    slot_mapping = token_slots(table, positions, page_size, rows=seq_of_token).long()  # index_copy_ wants int64
+    ctx = seqs.context_lens_tensor
+    # Where each new token is written: one gather through the table (numpy: small arrays).
+    seq_of_token, positions = seqs.token_rows
+    tab = table.numpy()
+    pages = tab[seq_of_token, np.minimum(positions // page_size, tab.shape[1] - 1)].astype(np.int64)
+    slot_mapping = torch.from_numpy(pages * page_size + positions % page_size)  # index_copy_ wants int64
     sm = SpaceAttentionMetadata(slot_mapping, window, block_table=table)
     if nd:
         sm.decode_tiles, sm.decode_split = _decode_tiles(table[:nd], ctx[:nd], window, page_size, sizes)
@@ -287,13 +353,14 @@ def _slot_runs(slots: torch.Tensor | None) -> list[tuple[int, int, int]]:
 def build_attention_metadata(
     seqs: StepSequences, windows: dict[str, int | None], page_size: int, sizes: TileSizes = DEFAULT_TILES
 ) -> AttentionMetadata:
-    q_lens = torch.tensor(seqs.query_lens, dtype=torch.int32)
+    q_start = np.zeros(len(seqs.query_lens) + 1, dtype=np.int32)
+    np.cumsum(seqs.query_lens_array, out=q_start[1:])
     return AttentionMetadata(
         num_tokens=sum(seqs.query_lens),
         num_decode_tokens=seqs.num_decodes,
         spaces={name: build_space_metadata(seqs, name, w, page_size, sizes) for name, w in windows.items()},
         tiles=sizes,
-        query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(q_lens, 0, dtype=torch.int32)]),
-        context_lens=torch.tensor(seqs.context_lens, dtype=torch.int32),
+        query_start_loc=torch.from_numpy(q_start),
+        context_lens=torch.from_numpy(seqs.context_lens_array.astype(np.int32)),
         page_size=page_size,
     )

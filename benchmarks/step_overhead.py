@@ -19,6 +19,8 @@ machine-readable:
 (dense layout, 256 running requests; growth = 1M-token figure / 10k-token figure).
 
     python benchmarks/step_overhead.py [--steps 64] [--quick]
+(with --running/--caches the RESULT keys keep their names but describe the largest running
+count and the three cache sizes given.)
 """
 from __future__ import annotations
 
@@ -157,19 +159,22 @@ def measure(layout, cached: int, running: int, steps: int, deep: bool = False) -
     return dt / steps * 1e6
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--quick", action="store_true", help="fewer configurations (1M cache, 256 requests only)")
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="fewer configurations (256 requests only)")
+    ap.add_argument("--caches", type=int, nargs=3, default=[10_000, 100_000, 1_000_000], metavar="TOKENS",
+                    help="the three cached-token counts (small, middle, large; the smoke test shrinks them)")
+    ap.add_argument("--running", type=int, nargs="+", default=None, help="running-request counts (default 1 64 256)")
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    caches = [10_000, 100_000, 1_000_000]
-    runnings = [256] if args.quick else [1, 64, 256]
+    caches = args.caches
+    runnings = args.running or ([256] if args.quick else [1, 64, 256])
     results = {}
     for name, layout in (("dense p16", dense_layout()), ("v4 p128", v4_layout())):
         print(f"\n{name}: µs per step (scheduler + block manager + metadata; model stubbed)")
-        print(f"{'running':>8} " + " ".join(f"{c:>12,}" for c in caches) + "   1M/10k")
+        print(f"{'running':>8} " + " ".join(f"{c:>12,}" for c in caches) + "   large/small")
         for running in runnings:
             row = [measure(layout, c, running, args.steps) for c in caches]
             results[(name, running)] = row
@@ -177,11 +182,12 @@ def main() -> None:
     for name, layout in (("dense p16", dense_layout()), ("v4 p128", v4_layout())):
         row = [measure(layout, c, 16, args.steps, deep=True) for c in caches]
         print(f"\n{name}: 16 requests over one shared cached prefix, µs per step (scheduler + block manager)")
-        print(f"{'prefix':>8} " + " ".join(f"{c:>12,}" for c in caches) + "   1M/10k")
+        print(f"{'prefix':>8} " + " ".join(f"{c:>12,}" for c in caches) + "   large/small")
         print(f"{'':>8} " + " ".join(f"{v:>12.0f}" for v in row) + f"   {row[2] / row[0]:.2f}x")
-    dense = results[("dense p16", 256)]
+    dense = results[("dense p16", max(runnings))]
     print(f"RESULT us_per_step_256_100k={dense[1]:.1f} growth_1m_vs_10k={dense[2] / dense[0]:.3f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -516,6 +516,11 @@ class KVCacheManager:
         """The request's row in every space's BlockTable."""
         return self._requests[request_id].row
 
+    def rows_of(self, request_ids: list[str]) -> list[int]:
+        """row_of for a step's requests at once (one call per step, not per request)."""
+        reqs = self._requests
+        return [reqs[r].row for r in request_ids]
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 

@@ -54,7 +54,7 @@ TOMBSTONE = None  # shadow of a windowed space whose page was dropped
 __all__ = ["NULL_PAGE", "TOMBSTONE", "ShadowIndex", "ShadowNode", "LockReceipt", "MatchResult", "InsertResult"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: one node per cached page, created on every page crossing
 class ShadowNode:
     key: tuple[int, ...]
     parent: "ShadowNode | None"

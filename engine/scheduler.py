@@ -53,7 +53,7 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ScheduledRequest(ScheduledSequence):
     """One request's work in a step: the executor's ScheduledSequence (what the runner reads),
     plus the engine's Request it came from. The scheduler builds it once; the step's ModelInput
@@ -160,7 +160,12 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append(ScheduledRequest.of(req, start, n))
+                toks = req.all_token_ids  # ScheduledRequest.of, inlined: this runs per request per step
+                end = start + n
+                scheduled.append(ScheduledRequest(
+                    req.request_id, toks[start:end], start, end, end == total, req.params, req.generator,
+                    req.prompt_token_ids, req.output_token_ids, req,
+                ))
                 budget -= n
                 i += 1
                 continue

@@ -14,7 +14,7 @@ import torch
 from hybridkv.model_executor.sampling_params import SamplingParams
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: one is built per request per step
 class ScheduledSequence:
     """One sequence's work in a step: compute positions [start, end)."""
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridkv.attention_backends.metadata import StepSequences
+from hybridkv.attention_backends.metadata import StepSequences, int_array
 from hybridkv.attention_backends.registry import get_attention_backend
 from hybridkv.block_manager.kv_cache_manager import KVCacheManager
 from hybridkv.model_executor.host_kv_cache import HostKVCache
@@ -162,14 +162,15 @@ class ModelRunner:
     def step_sequences(self, items: list[ScheduledSequence]) -> StepSequences:
         """Lengths of the step's sequences and their block-table rows: one index_select per space."""
         kv = self.kv
+        ids = [s.request_id for s in items]
         ctx = [s.end for s in items]
-        rows = torch.tensor([kv.row_of(s.request_id) for s in items], dtype=torch.long)
+        rows = torch.from_numpy(int_array(kv.rows_of(ids)))
         pages = -(-max(ctx) // kv.page_size)  # no space needs more pages than a raw-token one
         tables = {}
         for name in self.windows:
             bt = kv.block_tables[name]
             tables[name] = bt.rows(rows, min(pages, bt.width))
-        return StepSequences([s.end - s.start for s in items], ctx, tables, [s.request_id for s in items])
+        return StepSequences([s.end - s.start for s in items], ctx, tables, ids)
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> RunnerOutput:
