@@ -591,6 +591,7 @@ class KVCacheManager:
             assert space.num_in_use == 0, f"space {space.name!r}: {space.num_in_use} pages still in use"
         if self.index is not None:
             assert self.index.num_live_receipts == 0, f"{self.index.num_live_receipts} lock receipts still live"
+            assert self.index.num_host_pins == 0, f"{self.index.num_host_pins} host pins still held"
         if self.host_tier is not None:
             assert self.host_tier.transfers.empty, "tier copies were decided but never executed"
         if self.hisparse is not None:

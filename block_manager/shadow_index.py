@@ -74,6 +74,10 @@ class ShadowNode:
     tail_refs: dict[str, int] = field(default_factory=dict)  # windowed space -> tail points whose window covers this node
     namespace: Hashable = None  # roots only
     chain: bytes = b""  # content key of the prefix ending here (page_keys.py; with a chain seed only)
+    # Waiting requests whose storage read recorded the host-only chain ending here (HiCache L3):
+    # host eviction leaves it alone until they are admitted, so a read is not lost to the reads
+    # of the requests queued behind it. Device state is untouched (no device page is pinned).
+    host_pins: int = 0
 
     @property
     def is_root(self) -> bool:
@@ -151,6 +155,7 @@ class ShadowIndex:
         self.whole = [n for n, s in spaces.items() if not s.spec.windowed]
         self._specs = {n: s.spec for n, s in spaces.items()}
         self._roots: dict[Hashable, ShadowNode] = {}
+        self.num_host_pins = 0  # pin_host calls not yet unpinned (0 when idle)
         self._nodes: set[ShadowNode] = set()
         self._clock = itertools.count(1)
         self._receipt_ids = itertools.count(1)
@@ -255,7 +260,8 @@ class ShadowIndex:
             on_device = self._on_device(node)
             self._place(self._dev_unlocked, node,
                         unlocked and any(node.shadows[s] is not None for s in self.whole), touch)
-            self._place(self._host_leaves, node, unlocked and not on_device and not node.children, touch)
+            self._place(self._host_leaves, node,
+                        unlocked and not on_device and not node.children and not node.host_pins, touch)
             self._place(self._host_dups, node, unlocked and any(
                 node.shadows[s] is not None and node.host[s] is not None for s in node.host), touch)
 
@@ -627,11 +633,12 @@ class ShadowIndex:
             self._delete(anchor)
 
     # -- eviction ------------------------------------------------------------------------------------
-    def _first_leaf(self, space: str | None = None) -> ShadowNode | None:
-        """Next unlocked leaf in policy order (with a live page in `space`, when given). The
-        front of each class is a leaf, so this normally looks at one node."""
+    def _first_leaf(self, space: str | None = None, pinned: bool = False) -> ShadowNode | None:
+        """Next unlocked leaf in policy order (with a live page in `space`, when given), skipping
+        host-pinned ones unless `pinned`. The front of each class is a leaf, so this normally
+        looks at one node."""
         for nd in self._unlocked:
-            if not nd.children and (space is None or nd.shadows[space] is not None):
+            if not nd.children and (pinned or not nd.host_pins) and (space is None or nd.shadows[space] is not None):
                 return nd
         return None
 
@@ -662,7 +669,10 @@ class ShadowIndex:
                     if not nd.children:  # it cannot go to the host: it goes
                         self._delete(nd)
                         continue
-                leaf = self._first_leaf()
+                # Host pins yield to the device: when nothing else can go (a device node whose
+                # subtree is a pinned host-only chain, no host room to demote it), the pinned
+                # chain goes, so the evictable count allocate() relied on stays true.
+                leaf = self._first_leaf() or self._first_leaf(pinned=True)
                 if leaf is None:
                     break
                 self._delete(leaf)
@@ -729,7 +739,7 @@ class ShadowIndex:
             victim = next((n for n in self._host_leaves if n is not keep), None)
             if victim is not None:
                 self.tier.stats.host_evicted_nodes += 1
-                self._delete(victim)
+                self._delete(victim, keep=keep)
                 continue
             victim = next((n for n in self._host_dups if n is not keep), None)
             if victim is None:
@@ -853,6 +863,34 @@ class ShadowIndex:
                 self._delete(walked[-1])
         return n, unused
 
+    def node_at(self, token_ids: Sequence[int], namespace: Hashable, depth: int) -> ShadowNode | None:
+        """The deepest node on token_ids' path at most `depth` pages deep (None: not even the
+        first page is recorded). O(depth)."""
+        node = self._roots.get(namespace)
+        found = None
+        for i in range(depth):
+            node = node.children.get(self._key(token_ids, i)) if node is not None else None
+            if node is None:
+                break
+            found = node
+        return found
+
+    def pin_host(self, node: ShadowNode) -> None:
+        """Keep node -- and so the host-only chain above it, since host eviction takes leaves --
+        out of host eviction until unpin_host (a waiting request's storage read recorded it).
+        A soft pin: device eviction that finds nothing else to free still deletes the chain."""
+        node.host_pins += 1
+        self.num_host_pins += 1
+        self._sync(node)
+
+    def unpin_host(self, node: ShadowNode) -> None:
+        if node.host_pins <= 0:
+            raise AssertionError("unpin_host of a node that is not pinned")
+        node.host_pins -= 1
+        self.num_host_pins -= 1
+        if node in self._nodes:  # still in the index (a reset may have dropped it meanwhile)
+            self._sync(node)
+
     def free_host_page(self, space: str, page: int) -> None:
         """Give back a host page insert_host did not use."""
         self.tier.pools[space].free(page)
@@ -871,9 +909,10 @@ class ShadowIndex:
         self.tier.stats.loaded_pages[space] += 1
         self._sync(node)
 
-    def _delete(self, node: ShadowNode) -> None:
-        """Delete an unlocked leaf, then every ancestor that became a dead leaf, and the
-        namespace root once it is empty."""
+    def _delete(self, node: ShadowNode, keep: ShadowNode | None = None) -> None:
+        """Delete an unlocked leaf, then every ancestor that became a dead leaf (up to, not
+        including, `keep`: the node whose host copy this deletion makes room for -- deleting it
+        here would pull it from under its caller), and the namespace root once it is empty."""
         while True:
             if node.children or node.full_lock_ref or node.is_root:
                 raise AssertionError("only unlocked leaves can be deleted")
@@ -898,7 +937,7 @@ class ShadowIndex:
             if self.tier is not None:
                 self._sync(parent)  # it may be a leaf now
             node = parent
-            if not self._is_dead_leaf(node):
+            if node is keep or not self._is_dead_leaf(node):
                 return
 
     def clear(self) -> int:
@@ -1011,7 +1050,7 @@ class ShadowIndex:
             assert len(self._idle[s]) + len(self._tail[s]) == self.evictable[s], f"space {s!r}: queues vs ledger"
         if self.tier is not None:
             dev = {nd for nd in unlocked if any(nd.shadows[s] is not None for s in self.whole)}
-            leaves = {nd for nd in unlocked if not nd.children and not self._on_device(nd)}
+            leaves = {nd for nd in unlocked if not nd.children and not self._on_device(nd) and not nd.host_pins}
             dups = {nd for nd in unlocked if any(nd.shadows[s] is not None and nd.host[s] is not None for s in nd.host)}
             assert set(self._dev_unlocked) == dev, "the demotion queue differs from the unlocked device nodes"
             assert set(self._host_leaves) == leaves, "the host-eviction queue differs from the host-only leaves"

@@ -11,9 +11,12 @@ filled from the bytes), so the ordinary match -> load-back path serves them. A w
 holds no pages, so while it waits other requests may evict what it matched on arrival (its
 previous turn, still on the device then, or the pages its prefetch recorded); when the scheduler
 reaches it and its match has shrunk, it reads again from where the match now ends (at most
-MAX_REFETCHES times: a request is never starved by its own cache). A reservation is
-the in-flight read of one request; it is released on every exit (done, admitted, aborted,
-timed out, store error) and `num_outstanding` is its gauge.
+MAX_REFETCHES times: a request is never starved by its own cache). Pages a read recorded are
+host-pinned until their request is admitted (SGLang protects a prefetch's host pages the same
+way): host eviction -- the reads of requests queued behind it, write-through -- skips them;
+pins cover at most half the host pool, and no device page. A reservation is the read of one
+request and its pin; it is released on every exit (admitted, aborted, timed out, store error)
+and `num_outstanding` is its gauge.
 
 Writes: every page that gets a host copy is also stored (the host tier's write policy decides
 which pages those are). After the engine ran a step's copies it reads those host pages' bytes
@@ -72,6 +75,8 @@ class _Prefetch:
     deadline: float | None
     recorded: int = 0  # tokens it recorded (the per-request "from storage" report)
     done: bool = False
+    pinned: object | None = None  # the index node its recorded chain ends at, host-pinned until release
+    pinned_pages: int = 0
 
 
 @dataclass
@@ -104,6 +109,11 @@ class StorageTier:
         # and how many reads were restarted for it; both dropped on admission / abort.
         self._known_pages: dict[str, int] = {}
         self._restarts: dict[str, int] = {}
+        # Pages a read recorded stay on the host until their request is admitted (host pins),
+        # up to half the smallest host pool: the rest of the pool stays free for the running
+        # requests' write-through and swaps, so pins can delay but never starve them.
+        self.max_pinned_pages = min(p.num_pages for p in kv.host_tier.pools.values()) // 2
+        self.num_pinned_pages = 0
         kv.host_tier.storage_writes = True
 
     def snapshot(self) -> dict[str, float]:
@@ -112,6 +122,7 @@ class StorageTier:
         out = {f"backend_{k}": float(v) for k, v in vars(b).items() if isinstance(v, (int, float))}
         out.update({k: float(v) for k, v in vars(self.stats).items()})
         out["prefetch_outstanding"] = float(self.num_outstanding)
+        out["prefetch_pinned_pages"] = float(self.num_pinned_pages)
         return out
 
     @property
@@ -281,6 +292,12 @@ class StorageTier:
             for s, h in unused:
                 index.free_host_page(s, h)
             pf.recorded = recorded * P
+            if recorded and self.num_pinned_pages + recorded <= self.max_pinned_pages:
+                node = index.node_at(pf.token_ids, pf.namespace, pf.first_page + recorded)
+                if node is not None:  # (None: a dead tail was dropped and nothing is left)
+                    index.pin_host(node)
+                    pf.pinned, pf.pinned_pages = node, recorded
+                    self.num_pinned_pages += recorded
             rid = pf.request_id
             self._recorded_tokens[rid] = self._recorded_tokens.get(rid, 0) + recorded * P
             self._known_pages[rid] = max(self._known_pages.get(rid, 0), pf.first_page + recorded)
@@ -320,8 +337,14 @@ class StorageTier:
 
     def _release(self, request_id: str) -> None:
         pf = self._prefetches.pop(request_id, None)
-        if pf is not None and not pf.done:
+        if pf is None:
+            return
+        if not pf.done:
             pf.future.cancel()  # a read already running just finishes into nothing
+        if pf.pinned is not None:
+            self.kv.index.unpin_host(pf.pinned)
+            self.num_pinned_pages -= pf.pinned_pages
+            pf.pinned = None
 
     # -- writes -----------------------------------------------------------------------------------
     def store(self, transfers: TierTransfers) -> None:

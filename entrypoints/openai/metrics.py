@@ -105,6 +105,9 @@ class _EngineCollector(Collector):
             st = s.storage
             yield gauge("storage_prefetch_outstanding", "Prefetch reservations held (0 when idle).",
                         st["prefetch_outstanding"])
+            yield gauge("storage_prefetch_pinned_pages",
+                        "Host pages read from storage and held for waiting requests (0 when idle).",
+                        st["prefetch_pinned_pages"])
             outcomes = CounterMetricFamily(PREFIX + "storage_prefetches", "Storage prefetches by outcome.",
                                            labels=["model_name", "outcome"])
             for outcome in ("started", "completed", "timed_out", "aborted", "failed"):

@@ -107,3 +107,31 @@ def test_host_eviction_never_takes_a_node_whose_load_back_is_pending():
         kv.free(rid)
     kv.take_transfers()
     kv.assert_idle()
+
+
+def test_a_host_pinned_chain_is_never_host_evicted_until_unpinned():
+    """A host-only chain (demoted here, as a storage read records one) pinned at its last node:
+    write-through of other prompts under host pressure evicts around it, never it (it is not a
+    host-eviction candidate; its ancestors have children). Unpinned, it is the next victim.
+    The pin count goes back to zero; ledgers and queues stay exact throughout."""
+    kv = _kv(host=4, device=32)
+    toks = list(range(9))  # 2 whole pages
+    _run(kv, "a", toks)
+    _evict_device(kv)
+    index = kv.index
+    last = index.node_at(toks, None, 2)
+    assert last is not None and last.depth == 2 and all(p is None for p in last.shadows.values())
+    index.pin_host(last)
+    kv.check_invariants()
+    for i in range(3):  # write-through of new prompts wants the pinned chain's host pages
+        _run(kv, f"o{i}", [100 + 10 * i + j for j in range(9)])
+    st = kv.host_tier.stats
+    assert st.host_copies_dropped + st.write_failures > 0, "the host should have been under pressure"
+    assert st.host_evicted_nodes == 0, "a host-only node was evicted while the only ones were pinned"
+    assert kv.match_prefix(toks, touch=False).host_tokens == 8, "a pinned chain was host-evicted"
+    index.unpin_host(last)
+    assert index.num_host_pins == 0
+    kv.check_invariants()
+    _run(kv, "o3", [200 + j for j in range(9)])  # now the chain is the host-eviction victim
+    assert kv.match_prefix(toks, touch=False).host_tokens < 8
+    kv.assert_idle()

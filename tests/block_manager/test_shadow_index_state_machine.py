@@ -58,6 +58,7 @@ class ShadowIndexMachine(RuleBasedStateMachine):
         self.live: dict[str, dict] = {}  # rid -> {"tokens", "computed", "ns", "hit"}
         self.history: list[tuple[object, list[int]]] = []
         self.pins: list = []
+        self.host_pins: list = []  # nodes pinned on the host (a waiting request's storage read)
         self.ref: dict[tuple, dict[str, bool]] = {}  # (ns, prefix tokens) -> windowed space -> live
         self.counter = 0
 
@@ -249,6 +250,27 @@ class ShadowIndexMachine(RuleBasedStateMachine):
         with pytest.raises(AssertionError, match="not live"):
             self.kv.index.unlock(receipt)  # a receipt unlocks once
 
+    def _host_only(self) -> list:
+        if self.kv.index.tier is None:
+            return []
+        return sorted((n for n in self.kv.index.nodes() if all(p is None for p in n.shadows.values())),
+                      key=lambda n: (n.depth, n.key, n.seq))
+
+    @precondition(lambda self: self._host_only())
+    @rule(data=st.data())
+    def host_pin(self, data):
+        """Pin a host-only node as a storage read does: host eviction must go around it (device
+        eviction may still take it when nothing else is left)."""
+        node = data.draw(st.sampled_from(self._host_only()))
+        self.kv.index.pin_host(node)
+        self.host_pins.append(node)
+
+    @precondition(lambda self: self.host_pins)
+    @rule(data=st.data())
+    def host_unpin(self, data):
+        node = self.host_pins.pop(data.draw(st.integers(0, len(self.host_pins) - 1)))
+        self.kv.index.unpin_host(node)
+
     @rule(space=st.sampled_from([s.name for s in V4_LIKE + MISTRAL_LIKE]), n=st.integers(1, 6))
     def evict(self, space, n):
         if space not in self.kv.spaces:
@@ -299,6 +321,8 @@ class ShadowIndexMachine(RuleBasedStateMachine):
             self.kv.free(rid)
         for receipt in self.pins:
             self.kv.index.unlock(receipt)
+        for node in self.host_pins:
+            self.kv.index.unpin_host(node)
         self._flush()
         self.kv.assert_idle()
         self.kv.reset_prefix_cache()

@@ -261,3 +261,46 @@ def test_redis_killed_mid_run_gives_misses_then_hits_again(tiny_ckpt, redis_serv
     out = run_one(fresh, again, 4)
     assert out.metrics["prompt_tokens_from_storage"] == 96, "no hits after Redis came back"
     _same(out, run_one(ref, again, 4))
+
+
+def test_pages_read_for_waiting_requests_stay_on_the_host_until_admission(tiny_ckpt, tmp_path):
+    """Four requests arrive at once, one runs at a time, and their reads together need more
+    host pages than the host tier has. Recorded pages are host-pinned until their request is
+    admitted (up to half the host pool), so the reads of the requests queued behind do not
+    evict them: the first request is served its whole prefix from storage. Every pin is
+    released (assert_idle), and outputs equal the no-cache run."""
+    path = tiny_ckpt("llama")
+    ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    vocab = ref.engine.runner.config.vocab_size
+    prompts = [_prompt(100, vocab, seed=40 + i) for i in range(4)]  # 6 whole pages each
+    want = [run_one(ref, p, 3) for p in prompts]
+    first = _file_llm(path, str(tmp_path))
+    for p in prompts:
+        run_one(first, p, 1)
+    _stored(first)
+    bpp = sum(first.engine.storage.host_cache.bytes_per_page.values())
+    llm = _file_llm(path, str(tmp_path), max_num_seqs=1, hicache_size=16 * bpp)  # 16 host pages, 8 pinnable
+    storage = llm.engine.storage
+    assert storage.max_pinned_pages == 8
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(f"q{i}", {"prompt_token_ids": p}, greedy(3))
+    outs, order = {}, []
+    pinned_seen = 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+                order.append(o.request_id)
+        pinned_seen = max(pinned_seen, storage.num_pinned_pages)
+    # (Without pins, measured: the later reads evicted q0's pages, q3 ran first, one request
+    # recomputed its whole prompt, five reads were restarted.)
+    assert pinned_seen > 0, "no recorded read was pinned"
+    assert order[0] == "q0", f"the first request lost its read to the ones queued behind it: order {order}"
+    from_storage = {k: o.metrics["prompt_tokens_from_storage"] for k, o in outs.items()}
+    assert all(v == 96 for v in from_storage.values()), (
+        "pages read for a waiting request were evicted before it was admitted", from_storage)
+    assert storage.num_pinned_pages == 0 and storage.num_outstanding == 0
+    assert eng.kv.index.num_host_pins == 0
+    for i in range(4):
+        _same(outs[f"q{i}"], want[i])
