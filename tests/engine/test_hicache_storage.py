@@ -3,10 +3,14 @@
 Invariants checked:
 - a prefix that comes back from the store gives the no-cache run's greedy tokens and logprobs
   (Llama and a V4 config; file and Redis backends), and the report says "from storage";
-- a second LLM on the same store serves a prompt the first computed (num_cached_tokens > 0,
-  identical output); another dtype or page size on the same store gets no hits;
-- a corrupted or truncated stored value is a miss, counted, and the output is unchanged;
+- a second LLM on the same store -- and a second OS process, on a directory and on Redis --
+  serves a prompt the first computed (num_cached_tokens > 0, identical output); another dtype
+  or page size on the same directory or Redis gets no hits;
+- a corrupted stored value (a file, a Redis value) or a truncated file is a miss, counted, and
+  the output is unchanged;
 - prefetch reservations go back to zero on every exit (done, timeout, abort, a read that raises);
+  best_effort admits without waiting for a read;
+- pages read for waiting requests stay on the host until they are admitted (host pins);
 - a request whose cached prefix was evicted while it waited reads it from the store again;
 - every test ends idle (conftest), with the store's background writes drained.
 """
@@ -304,3 +308,135 @@ def test_pages_read_for_waiting_requests_stay_on_the_host_until_admission(tiny_c
     assert eng.kv.index.num_host_pins == 0
     for i in range(4):
         _same(outs[f"q{i}"], want[i])
+
+
+# -- a second OS process on the same store ------------------------------------------------------
+SECOND_PROCESS = r'''
+import json, sys
+from hybridkv import LLM, SamplingParams
+path, backend, where, prompt = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+kw = dict(hicache_storage_dir=where) if backend == "file" else dict(
+    hicache_storage_backend_extra_config={"url": where, "socket_timeout": 0.5, "connect_timeout": 0.5})
+llm = LLM(path, dtype="float32", max_model_len=256, enable_hierarchical_cache=True,
+          hicache_storage_backend=backend, hicache_storage_prefetch_policy="wait_complete", **kw)
+out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=10, logprobs=0))[0]
+c = out.outputs[0]
+print("RESULT " + json.dumps({"cached": out.num_cached_tokens, "from_storage": out.metrics["prompt_tokens_from_storage"],
+                             "tokens": list(c.token_ids), "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]}))
+'''
+
+
+def _second_process(path: str, backend: str, where: str, prompt: list[int]) -> dict:
+    import json
+    import subprocess
+    import sys
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", SECOND_PROCESS, path, backend, where, json.dumps(prompt)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["file", "redis"])
+def test_a_second_os_process_on_the_same_store_gets_hits(tiny_ckpt, tmp_path, request, backend):
+    """Not a second LLM in this process: a new interpreter (its own fingerprint computation,
+    empty device and host tiers) on the directory / Redis the first process wrote."""
+    redis_server = request.getfixturevalue("redis_server") if backend == "redis" else None
+    path = tiny_ckpt("llama")
+    ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    prompt = _prompt(100, ref.engine.runner.config.vocab_size, seed=50)
+    want = run_one(ref, prompt, 10)
+    where = str(tmp_path) if backend == "file" else redis_server.url
+    first = _file_llm(path, where) if backend == "file" else _redis_llm(path, where)
+    _same(run_one(first, prompt, 10), want)
+    _stored(first)
+    got = _second_process(path, backend, where, prompt)
+    assert got["cached"] == 96 and got["from_storage"] == 96, got
+    assert got["tokens"] == want.outputs[0].token_ids, "the second process's storage hit changed the tokens"
+    torch.testing.assert_close(torch.tensor(got["logprobs"]), torch.tensor(sampled_logprobs(want)),
+                               atol=LOGPROB_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("change", [dict(dtype="bfloat16"), dict(block_size=32)], ids=["dtype", "page_size"])
+def test_another_configuration_on_the_same_redis_gets_no_hits(tiny_ckpt, redis_server, change):
+    path = tiny_ckpt("llama")
+    prompt = _prompt(100, 300, seed=51)
+    first = _redis_llm(path, redis_server.url)
+    run_one(first, prompt, 2)
+    _stored(first)
+    assert first.engine.storage.stats.writes_queued > 0
+    other = _redis_llm(path, redis_server.url, **change)
+    out = run_one(other, prompt, 2)
+    assert out.num_cached_tokens == 0, "a foreign configuration's pages were served from Redis"
+    assert other.engine.storage.stats.corrupt_values == 0, "keys should differ, not only headers"
+    assert other.engine.storage.backend.stats.errors == 0
+
+
+def test_a_corrupted_redis_value_is_a_miss_and_the_output_is_unchanged(tiny_ckpt, redis_server):
+    """Flip one byte of one stored value inside Redis itself: the read of that page is a miss
+    (counted), the hit stops before it, and the tokens are those of the no-cache run."""
+    import redis
+    path = tiny_ckpt("llama")
+    ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    prompt = _prompt(100, ref.engine.runner.config.vocab_size, seed=52)
+    want = run_one(ref, prompt, 6)
+    first = _redis_llm(path, redis_server.url)
+    run_one(first, prompt, 1)
+    _stored(first)
+    client = redis.Redis.from_url(redis_server.url)
+    keys = sorted(client.keys("*"))
+    assert len(keys) == 6, f"expected the prompt's 6 whole pages in Redis, found {len(keys)}"
+    victim = keys[3]
+    value = bytearray(client.get(victim))
+    value[len(value) // 2] ^= 0xFF
+    client.set(victim, bytes(value))
+    client.close()
+    second = _redis_llm(path, redis_server.url)
+    out = run_one(second, prompt, 6)
+    assert out.num_cached_tokens < 96, "a corrupted Redis value was served"
+    assert second.engine.storage.stats.corrupt_values == 1, "the corrupted value was not counted"
+    _same(out, want)
+
+
+def test_best_effort_prefetch_admits_without_waiting_for_the_read(tiny_ckpt, tmp_path):
+    """best_effort: the request goes as soon as the scheduler reaches it; a read still running
+    then is released (its reservation back to zero) and the prompt is computed; a read that
+    finished first is used. Outputs are identical either way."""
+    path = tiny_ckpt("llama")
+    prompt = _prompt(100, 300, seed=53)
+    first = _file_llm(path, str(tmp_path))
+    want = run_one(first, prompt, 4)
+    _stored(first)
+    llm = LLM(path, dtype="float32", max_model_len=256, enable_hierarchical_cache=True,
+              hicache_storage_backend="file", hicache_storage_dir=str(tmp_path),
+              hicache_storage_prefetch_policy="best_effort")
+    storage = llm.engine.storage
+    slow_get = storage.backend.get
+
+    def slow(keys):
+        time.sleep(3.0)
+        return slow_get(keys)
+
+    storage.backend.get = slow
+    t0 = time.monotonic()
+    out = run_one(llm, prompt, 4)
+    assert time.monotonic() - t0 < 2.5, "best_effort waited for the read"
+    assert out.metrics["prompt_tokens_from_storage"] == 0 and storage.num_outstanding == 0
+    _same(out, want)
+    storage.backend.get = slow_get
+    other = _prompt(100, 300, seed=54)  # a prompt the first engine stores now
+    run_one(first, other, 1)
+    _stored(first)
+    eng = llm.engine
+    eng.add_request("fast", {"prompt_token_ids": other}, greedy(2))
+    assert storage.num_outstanding == 1
+    # The read finishes before the first step (the released slow read runs first on the store's
+    # one I/O thread).
+    storage.wait(longest=10)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += [o for o in eng.step() if o.finished]
+    assert outs[0].metrics["prompt_tokens_from_storage"] == 96, outs[0].metrics
+    assert storage.num_outstanding == 0
