@@ -15,8 +15,7 @@ Without a CUDA device it says so and exits 0 (CI runs it that way). On CUDA, thr
    with each backend, greedy tokens equal to torch_native's on the GPU; and, when the V4
    hybrid Triton module exists, the tiny DeepSeek-V4 checkpoint of tests/tiny_deepseek_v4.py
    with attention_backend="triton" vs "torch_native" (it prints which class the V4 layers bound).
-   The engine has no device option (EngineConfig has none), so this script builds it with its
-   ModelRunner on cuda (engine_on_device below).
+   The engine runs with device="cuda" (LLM's device option).
 3. Decode-attention bandwidth: bytes of K/V a decode step must read / its time, per backend and
    dtype, against the device's peak measured as a device-to-device copy (read + write bytes).
 
@@ -213,33 +212,13 @@ def _env(values: dict):
 
 
 # -- 2. end to end ------------------------------------------------------------------------------
-@contextlib.contextmanager
-def engine_on_device(device: str):
-    """LLMEngine builds its ModelRunner without a device (CPU); put it on `device` instead."""
-    import hybridkv.engine.llm_engine as llm_engine
-
-    original = llm_engine.ModelRunner
-
-    class OnDevice(original):
-        def __init__(self, *args, **kwargs):
-            kwargs.setdefault("device", device)
-            super().__init__(*args, **kwargs)
-
-    llm_engine.ModelRunner = OnDevice
-    try:
-        yield
-    finally:
-        llm_engine.ModelRunner = original
-
-
 PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "1, 2, 3, 4,", "def fibonacci(n):"]
 
 
 def greedy(model, backend: str, max_tokens: int, **kw) -> tuple[list[list[int]], object]:
     from hybridkv.entrypoints import LLM, SamplingParams
 
-    with engine_on_device("cuda"):
-        llm = LLM(model, dtype="float32", attention_backend=backend, **kw)
+    llm = LLM(model, dtype="float32", attention_backend=backend, device="cuda", **kw)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], llm
 

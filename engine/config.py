@@ -4,7 +4,29 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
+import torch
+
 from hybridkv.attention_backends.registry import validate_attention_backend_name
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device EngineConfig.device names; ValueError naming the problem when it is not
+    a CPU or CUDA device, or is a CUDA device this machine does not have."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {name!r}") from e
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={name!r} needs a CUDA build of torch and a visible GPU "
+                             f"(torch {torch.__version__}: torch.cuda.is_available() is False)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device={name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 @dataclass
@@ -29,6 +51,11 @@ class EngineConfig:
     # = triton on CUDA when the triton package imports, else torch_native. A backend that cannot
     # run on this machine is refused by the model runner before the model is loaded.
     attention_backend: str = "auto"
+    # Where the model and its KV cache live: "cpu" (default), "cuda" / "cuda:N", or "auto" (the
+    # first CUDA device when torch sees one, else the CPU). The CUDA path is checked on CPU only
+    # (Triton under TRITON_INTERPRET=1, xformers' masks) until benchmarks/gpu_check.py has run
+    # on a GPU, so it is opt-in.
+    device: str = "cpu"
     # FP8/FP4 checkpoints: None keeps weights compressed (dequantized tile by tile in the matmul;
     # memory ~ file size), True dequantizes once at load (faster on CPU, 2-4x the memory).
     dequantize_weights: bool | None = None
@@ -62,6 +89,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         validate_attention_backend_name(self.attention_backend)
+        resolve_device(self.device)  # a device this machine lacks fails before the model loads
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None, got {self.num_threads}")
         if self.block_size is not None and self.block_size < 1:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from hybridkv.block_manager.kv_cache_manager import KVCacheManager
-from hybridkv.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_CAP_BYTES, EngineConfig
+from hybridkv.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_CAP_BYTES, EngineConfig, resolve_device
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
 from hybridkv.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from hybridkv.engine.request import Request, RequestStatus
@@ -105,6 +105,9 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         logger.info("CPU compute threads: %d (of %s cores)", torch.get_num_threads(), os.cpu_count())
+        if config.device == "cpu" and torch.cuda.is_available():
+            logger.info("a CUDA device is visible but device='cpu' (the default): pass device='cuda' "
+                        "(--device cuda) to run on it")
         model_dir = config.model
         if model_dir is None:
             from hybridkv.model_executor.demo_model import ensure_demo_model
@@ -114,6 +117,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             model_dir, config.dtype, config.max_model_len, config.seed, config.allow_pickle_weights,
             attention_backend=config.attention_backend, dequantize_weights=config.dequantize_weights,
+            device=resolve_device(config.device),
         )
         self.max_model_len = self.runner.max_model_len
         self.tokenizer = load_tokenizer(model_dir)

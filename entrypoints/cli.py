@@ -47,6 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: triton on CUDA when the triton package imports, else torch_native; "
                         "xformers needs CUDA; triton on CPU only under TRITON_INTERPRET=1 "
                         f"(default: {DEFAULT_ATTENTION_BACKEND})")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default), cuda, cuda:N, or auto (CUDA when torch sees a GPU, else cpu); "
+                        "the CUDA path is checked on the CPU only so far (benchmarks/gpu_check.py)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="CPU compute threads (default: OMP_NUM_THREADS, else one per core)")
     p.add_argument("--dequantize-weights", action=argparse.BooleanOptionalAction, default=None,
@@ -121,6 +124,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         hicache_storage_prefetch_policy=args.hicache_storage_prefetch_policy,
         dequantize_weights=args.dequantize_weights,
         attention_backend=args.attention_backend,
+        device=args.device,
         enable_hisparse=args.enable_hisparse,
         hisparse_config=args.hisparse_config,
     )

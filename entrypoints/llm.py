@@ -34,6 +34,11 @@ class LLM:
     "torch_native", "triton" (CUDA, or CPU under TRITON_INTERPRET=1) or "xformers" (CUDA). One that
     cannot run here raises before the model loads, naming what is missing.
 
+    device: "cpu" (default), "cuda" / "cuda:N", or "auto" (CUDA when torch sees a GPU). A device
+    this machine lacks raises ValueError before the model loads. The CUDA path has been checked
+    on the CPU only (Triton interpreted, xformers' masks) until benchmarks/gpu_check.py runs on a
+    GPU, hence opt-in.
+
     block_size: tokens per KV page; None (the default) takes the model's default page size (16
     for dense models, 128 for DeepSeek-V4). An explicit size the model cannot use (not a multiple
     of its compression ratios) raises ValueError naming the sizes it can use.
@@ -58,6 +63,7 @@ class LLM:
         eviction_policy: str = "lru",
         windowed_match: bool = True,
         attention_backend: str = "auto",
+        device: str = "cpu",
         enable_hierarchical_cache: bool = False,
         hicache_ratio: float = 2.0,
         hicache_size: int | None = None,
@@ -92,6 +98,7 @@ class LLM:
                 eviction_policy=eviction_policy,
                 windowed_match=windowed_match,
                 attention_backend=attention_backend,
+                device=device,
                 enable_hierarchical_cache=enable_hierarchical_cache,
                 hicache_ratio=hicache_ratio,
                 hicache_size=hicache_size,

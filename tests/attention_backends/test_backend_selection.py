@@ -150,3 +150,42 @@ def test_triton_on_cpu_under_the_interpreter(tiny_ckpt):
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+# -- the engine's device (LLM(device=...), --device) -------------------------------------------
+@pytest.mark.parametrize("bad, message", [
+    ("cuda", "needs a CUDA build of torch and a visible GPU"),
+    ("cuda:1", "needs a CUDA build of torch and a visible GPU"),
+    ("mps", "device must be 'cpu', 'cuda', 'cuda:N' or 'auto'"),
+    ("gpu0", "device must be 'cpu', 'cuda', 'cuda:N' or 'auto'"),
+])
+def test_a_device_this_machine_lacks_fails_before_the_model_loads(bad, message, tiny_ckpt, no_model_load):
+    if torch.cuda.is_available() and bad.startswith("cuda"):
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_ckpt("llama"), dtype="float32", max_model_len=64, device=bad)
+
+
+def test_device_auto_is_the_cpu_here_and_cpu_picks_torch_native(tiny_ckpt):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: auto means cuda")
+    llm = LLM(tiny_ckpt("llama"), dtype="float32", max_model_len=64, device="auto")
+    runner = llm.engine.runner
+    assert runner.device == torch.device("cpu") and runner.attention_backend_name == "torch_native"
+    assert llm.generate([[1, 2, 3]], use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_device_auto_resolves_to_cuda_when_torch_sees_one(fake_cuda):
+    """The resolution rule alone (nothing runs on it): auto -> cuda, and with it attention auto ->
+    triton when the package imports (what LLM(device="auto") does on a GPU machine)."""
+    from hybridkv.engine.config import resolve_device
+    assert resolve_device("auto") == torch.device("cuda")
+    assert resolve_device("cpu") == torch.device("cpu")
+    pytest.importorskip("triton")
+    assert resolve_attention_backend("auto", resolve_device("auto")) == "triton"
+
+
+def test_the_cli_device_flag_reaches_the_engine_config():
+    args = build_parser().parse_args(["generate", "hi", "--device", "auto"])
+    assert EngineConfig(**engine_kwargs(args)).device == "auto"
+    assert EngineConfig(**engine_kwargs(build_parser().parse_args(["generate", "hi"]))).device == "cpu"
