@@ -3,7 +3,9 @@
 Rules admit requests (random tokens over a tiny alphabet, often extending or branching off an
 earlier sequence at a random page: the page-granular tree's equivalent of a split), advance
 them (allocate, "compute" pages, record them, release out-of-window pages), finish or drop
-them, pin/unpin arbitrary nodes with their own receipts, and evict from a chosen space.
+them, pin/unpin arbitrary nodes with their own receipts, and evict from a chosen space. With a
+host tier also: abort a request whose load-back is still pending, swap a request out (swap
+preemption), resume or abort a swapped-out one, pin/unpin host-only nodes (storage reads).
 
 Checked after every step:
   * KVCacheManager.check_invariants(): per-space free/cached/in-use and evictable/protected
@@ -59,6 +61,7 @@ class ShadowIndexMachine(RuleBasedStateMachine):
         self.history: list[tuple[object, list[int]]] = []
         self.pins: list = []
         self.host_pins: list = []  # nodes pinned on the host (a waiting request's storage read)
+        self.swapped: dict[str, dict] = {}  # swap-preempted requests (host tier): rid -> live entry
         self.ref: dict[tuple, dict[str, bool]] = {}  # (ns, prefix tokens) -> windowed space -> live
         self.counter = 0
 
@@ -151,12 +154,14 @@ class ShadowIndexMachine(RuleBasedStateMachine):
         self._check_reads(rid, start, upto)
         for s in self.tags:
             table = self.kv.page_table(rid, s)
-            for i in range(start // P, upto // P):
+            # The partial last page too (a swap-out moves it), where the space has one yet (a
+            # compressed space has none until its first entry).
+            for i in range(start // P, min(-(-upto // P), len(table))):
                 page = table[i]
                 assert page != NULL_PAGE
                 space = self.kv.spaces[s]
                 assert space.refcount[page] == 1 and not space.in_index[page], f"{s}: writing a shared page"
-                self.tags[s][page] = self._key(r["ns"], r["tokens"], i)
+                self.tags[s][page] = (r["ns"], tuple(r["tokens"][: min(upto, (i + 1) * P)]))
         r["computed"] = upto
         first_new = r["inserted"]
         before = {i: {s: self.kv.page_table(rid, s)[i] for s in self.windowed} for i in range(upto // P)}
@@ -271,6 +276,65 @@ class ShadowIndexMachine(RuleBasedStateMachine):
         node = self.host_pins.pop(data.draw(st.integers(0, len(self.host_pins) - 1)))
         self.kv.index.unpin_host(node)
 
+    # -- host-tier races (HiCache L2): an abort while a load-back is pending, swap preemption ---
+    @precondition(lambda self: self.kv.host_tier is not None and self.history and len(self.live) < 4)
+    @rule(data=st.data())
+    def abort_during_load_back(self, data):
+        """Admitted with a hit whose load-backs are decided, then aborted before the copies ran:
+        the copies still run (into pages the index now owns), nothing is leaked or locked."""
+        ns, old = data.draw(st.sampled_from(self.history))
+        toks = list(old) + [0]
+        hit = self.kv.match_prefix(toks, ns, touch=False)
+        self.counter += 1
+        rid = f"r{self.counter}"
+        if not self._observed(lambda: self.kv.allocate(rid, len(toks), hit, ns), flush=False):
+            return
+        if any(self.kv.host_tier.transfers.to_device.values()):
+            TIER_COVERAGE["abort_pending_load"] = TIER_COVERAGE.get("abort_pending_load", 0) + 1
+        self._observed(lambda: self.kv.free(rid), unlocking=True)
+
+    @precondition(lambda self: self.kv.host_tier is not None and self.live)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        """Swap preemption: recorded pages to the host, the partial last page held for the resume."""
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        r = self.live.pop(rid)
+        self._observed(lambda: self.kv.retire(rid, r["tokens"], r["computed"], turn_done=False, swap=True),
+                       mixed=True)
+        self.history.append((r["ns"], r["tokens"][: r["computed"] // P * P]))
+        self.swapped[rid] = r
+        TIER_COVERAGE["swap_out"] = TIER_COVERAGE.get("swap_out", 0) + 1
+
+    @precondition(lambda self: self.swapped and len(self.live) < 4)
+    @rule(data=st.data())
+    def resume_swapped(self, data):
+        """The resume goes through the ordinary match -> allocate (load-back) path."""
+        rid = data.draw(st.sampled_from(sorted(self.swapped)))
+        r = self.swapped[rid]
+        toks = r["tokens"] + [0]  # the token its next step would add: a hit never covers the last
+        hit = self.kv.match_prefix(toks, r["ns"], touch=False, request_id=rid)
+        assert len(hit.nodes) == self._ref_match(r["ns"], toks), "a resume's match differs from the reference"
+        assert hit.num_tokens < len(toks)
+        first = data.draw(st.integers(hit.num_tokens + 1, len(toks)))
+        if not self._observed(lambda: self.kv.allocate(rid, first, hit, r["ns"])):
+            return
+        del self.swapped[rid]
+        self.live[rid] = {"tokens": toks, "computed": hit.num_tokens, "ns": r["ns"], "inserted": len(hit.nodes)}
+        if hit.tail is not None:  # its partial last page came back from the host: the same data
+            TIER_COVERAGE["swap_in_tail"] = TIER_COVERAGE.get("swap_in_tail", 0) + 1
+            self._flush()
+            for s in hit.tail.host_pages:
+                page = self.kv.page_table(rid, s)[len(hit.nodes)]
+                assert self.tags[s][page] == (r["ns"], tuple(toks[: hit.num_tokens])), f"{s}: wrong swapped-in tail"
+        self._compute(rid, first)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def abort_swapped(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.swapped)))
+        del self.swapped[rid]
+        self._observed(lambda: self.kv.free(rid), unlocking=True)
+
     @rule(space=st.sampled_from([s.name for s in V4_LIKE + MISTRAL_LIKE]), n=st.integers(1, 6))
     def evict(self, space, n):
         if space not in self.kv.spaces:
@@ -287,19 +351,25 @@ class ShadowIndexMachine(RuleBasedStateMachine):
         if expected is not None:
             assert expected not in set(index.nodes()), "eviction skipped the policy's first victim"
 
-    def _observed(self, op, unlocking: bool = False):
+    def _observed(self, op, unlocking: bool = False, flush: bool = True, mixed: bool = False):
         """Run op (which may evict); check it only removed unlocked nodes / tombstoned unlocked
         windowed shadows, then bring the reference up to date with what was evicted. An unlock
-        may only remove nodes that hold no data at all (every shadow tombstoned)."""
+        may only remove nodes that hold no data at all (every shadow tombstoned). mixed: an op
+        that both evicts and unlocks (a swap-out): each removed node must satisfy one of the two.
+        flush=False leaves the decided tier copies pending (an abort before they ran)."""
         full_locked, swa_locked = self._locks()
         before = self._index_view()
         result = op()
-        self._flush()
+        if flush:
+            self._flush()
         after = self._index_view()
         for k, live in before.items():
             if k not in after:
-                if unlocking:  # only a leaf that can serve no hit (a windowed shadow tombstoned) may go
-                    assert self.windowed and not all(live.values()), "unlock dropped a node that serves hits"
+                dead = bool(self.windowed) and not all(live.values())
+                if mixed:
+                    assert k not in full_locked or dead, "a swap-out dropped a locked node that serves hits"
+                elif unlocking:  # only a leaf that can serve no hit (a windowed shadow tombstoned) may go
+                    assert dead, "unlock dropped a node that serves hits"
                 else:
                     assert k not in full_locked, "evicted a full-locked node"
             else:
@@ -323,6 +393,8 @@ class ShadowIndexMachine(RuleBasedStateMachine):
             self.kv.index.unlock(receipt)
         for node in self.host_pins:
             self.kv.index.unpin_host(node)
+        for rid in list(self.swapped):
+            self.kv.free(rid)
         self._flush()
         self.kv.assert_idle()
         self.kv.reset_prefix_cache()
@@ -401,13 +473,16 @@ TestSelectiveMistralLike.settings = FAST
 
 def test_host_tier_machine_reaches_every_tier_transition():
     """The host-tier rules are not vacuous: over a run the machine loads back, writes, demotes
-    and evicts on the host (each checked against the data tags and the ledgers as it happens)."""
+    and evicts on the host, aborts a request whose load-back is still pending, swaps requests
+    out and resumes one with its partial last page loaded back (each checked against the data
+    tags and the ledgers as it happens)."""
     TIER_COVERAGE.clear()
     # Derandomized: the same examples on every run, so whether they cover every transition does
     # not depend on the seed (random runs reached no load-back now and then).
     run_state_machine_as_test(HostTierV4LikeMachine, settings=settings(FAST, max_examples=80, derandomize=True,
                                                                         database=None))
-    assert all(TIER_COVERAGE.get(k, 0) > 0 for k in ("loaded", "written", "demoted", "host_evicted")), TIER_COVERAGE
+    assert all(TIER_COVERAGE.get(k, 0) > 0 for k in (
+        "loaded", "written", "demoted", "host_evicted", "abort_pending_load", "swap_out", "swap_in_tail")), TIER_COVERAGE
 
 
 class _SlowV4(ShadowIndexMachine):
