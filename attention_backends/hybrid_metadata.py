@@ -212,6 +212,9 @@ class HybridAttentionMetadata:
     num_decodes: int = 0  # blocks' rows below this are one-query sequences
     # HiSparse (attention_backends/hisparse_reads.py: HiSparseStep) when the engine enables it.
     hisparse: object | None = None
+    # This step's host-tier load-backs (model_executor/kv_loads.py), or None: a layer waits for
+    # its caches' pages before it reads them.
+    kv_loads: object | None = None
 
     def slot_mappings(self) -> dict[str, torch.Tensor]:
         """Space -> every slot this step writes (the runner's null-page debug check reads it)."""

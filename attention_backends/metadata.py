@@ -219,6 +219,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     page_size: int = 0
+    # This step's host-tier load-backs (model_executor/kv_loads.py: PendingKVLoads), or None:
+    # a backend calls kv_loads.wait(k_cache, v_cache) before it reads the cache.
+    kv_loads: object | None = None
 
     def slot_mappings(self) -> dict[str, torch.Tensor]:
         """Space -> every slot this step writes (the runner's null-page debug check reads it)."""

@@ -12,7 +12,8 @@ Without a CUDA device it says so and exits 0 (CI runs it that way). On CUDA, thr
    1e-4 (the kernels keep float32 operands at IEEE precision; ~1e-6 expected), bfloat16 3e-2
    (torch_native itself in bfloat16 lands at ~1e-2 of the float32 reference on these shapes).
 2. End to end: the demo model (as every benchmark here: LLM(None) converts it once) in float32
-   with each backend, greedy tokens equal to torch_native's on the GPU; and, when the V4
+   with each backend, greedy tokens equal to torch_native's on the GPU; the same with the host
+   tier and every prefix loaded back (the side-stream, per-layer-event load path); and, when the V4
    hybrid Triton module exists, the tiny DeepSeek-V4 checkpoint of tests/tiny_deepseek_v4.py
    with attention_backend="triton" vs "torch_native" (it prints which class the V4 layers bound).
    The engine runs with device="cuda" (LLM's device option).
@@ -223,11 +224,34 @@ def greedy(model, backend: str, max_tokens: int, **kw) -> tuple[list[list[int]],
     return [o.outputs[0].token_ids for o in outs], llm
 
 
+def host_hit_check(rep: Report, ref: list[list[int]], tokens: int) -> None:
+    """HiCache on CUDA: every prompt's prefix evicted from the device to pinned host pages, then
+    the prompts again: the load-backs run on the side stream, layer by layer under events, and
+    the greedy tokens equal the run without the host tier."""
+    from hybridkv.entrypoints import LLM, SamplingParams
+
+    llm = LLM(None, dtype="float32", attention_backend="torch_native", device="cuda", enable_hierarchical_cache=True)
+    params = SamplingParams(max_tokens=tokens, temperature=0)
+    llm.generate(PROMPTS, params, use_tqdm=False)
+    kv = llm.engine.kv
+    for name, space in kv.spaces.items():
+        kv.index.evict(name, space.num_pages)
+    llm.engine._flush_tier_transfers()
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    from_host = sum(o.metrics["prompt_tokens_from_host"] for o in outs)
+    rep.check(got == ref and from_host > 0,
+              f"demo model with host-tier load-backs on the CUDA side stream: {from_host} prompt tokens from the "
+              f"host, greedy {'equal' if got == ref else 'DIFFERENT'}")
+
+
 def e2e_checks(rep: Report, device, quick: bool) -> None:
     avail = backends_here(device)
     tokens = 16 if quick else 48
     with rep.section("demo model torch_native"):
         ref, _ = greedy(None, "torch_native", tokens)
+    with rep.section("demo model, host-tier load-back layer by layer"):
+        host_hit_check(rep, ref, tokens)
         for name in ("triton", "xformers"):
             if avail.get(name) is not None:
                 print(f"  [skip] demo model {name}: {avail[name]}")

@@ -164,6 +164,7 @@ class LLMEngine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         # Host tier copies the runner executed: bytes each way and seconds spent.
         self.tier_stats = {"load_back_bytes": 0, "write_back_bytes": 0, "transfer_seconds": 0.0}
+        self._load_seconds_seen = 0.0  # host_cache.load_seconds already counted in transfer_seconds
         logger.info(
             "engine ready: model=%s dtype=%s max_model_len=%d block_size=%d spaces=%s prefix_caching=%s",
             model_dir, self.runner.dtype, self.max_model_len, self.block_size,
@@ -247,17 +248,21 @@ class LLMEngine:
                     cfg.hicache_storage_backend, cfg.hicache_storage_prefetch_policy, fp.seed.hex()[:16])
         return StorageTier(backend, self.kv, self.runner.host_cache, fp, cfg.hicache_storage_prefetch_policy)
 
-    def _flush_tier_transfers(self) -> None:
+    def _flush_tier_transfers(self, before_forward: bool = False) -> None:
         """Execute the device <-> host copies the KV manager decided (before any forward reads
-        the pages; the order is tier_transfers.py's)."""
+        the pages; the order is tier_transfers.py's). before_forward: the load-backs are left to
+        the forward, which waits for each layer's pages as it reaches that layer (overlapped on
+        a CUDA side stream)."""
         transfers = self.kv.take_transfers()
         if transfers.empty:
             return
         t0 = time.perf_counter()
-        to_host, to_device = self.runner.host_cache.apply(transfers)
+        host_cache = self.runner.host_cache
+        to_host, to_device = host_cache.apply(transfers, defer_loads=before_forward)
         self.tier_stats["write_back_bytes"] += to_host
         self.tier_stats["load_back_bytes"] += to_device
-        self.tier_stats["transfer_seconds"] += time.perf_counter() - t0
+        self.tier_stats["transfer_seconds"] += time.perf_counter() - t0  # includes the loads it completed
+        self._load_seconds_seen = host_cache.load_seconds
         if self.storage is not None:
             self.storage.store(transfers)
 
@@ -452,12 +457,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        self._flush_tier_transfers()  # load-backs (and write-backs of evicted pages) before the forward
+        self._flush_tier_transfers(before_forward=not sched.empty)  # load-backs and write-backs of evicted pages
         if sched.empty:
             if self.storage is not None and self.storage.num_outstanding:
                 self.storage.wait()  # requests wait for their prefetch: sleep until a read lands
             return []
         result = self.runner.execute(sched.model_input())
+        if self.runner.host_cache is not None:  # the load-backs the forward completed layer by layer
+            self.tier_stats["transfer_seconds"] += self.runner.host_cache.load_seconds - self._load_seconds_seen
+            self._load_seconds_seen = self.runner.host_cache.load_seconds
         self.scheduler.update_after_step(sched)
         self._flush_tier_transfers()  # write-through of the pages this step completed
         self.stats["steps"] += 1

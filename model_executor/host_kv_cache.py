@@ -19,7 +19,13 @@ Layouts of the host buffer:
 
 Ordering contract (block_manager/tier_transfers.py): apply() runs every device->host copy of
 every space before any host->device copy, so a device page queued for the host and then reused
-by a load-back in the same pass is read before it is overwritten. Host page ids are
+by a load-back in the same pass is read before it is overwritten. The host->device copies are
+handed to a PendingKVLoads (kv_loads.py) one layer unit at a time -- a unit is index j along dim
+0 of a device tensor (a layer of a dense model's [layers, 2, Hkv, slots, D] pool; a whole tensor
+when it has no such dim) -- so the forward waits for each layer's pages only when that layer
+reads: issued at once on a CUDA side stream, deferred until the first reader on the CPU.
+take_loads() hands them to the runner; anything else that touches device KV first calls
+finish_loads() (apply does). Host page ids are
 0..host_pages-1, all usable (the host has no null page); device page 0 is the device null page
 and is never a copy source or target.
 """
@@ -29,6 +35,7 @@ import torch
 
 from hybridkv.block_manager.space_spec import NULL_PAGE
 from hybridkv.block_manager.tier_transfers import TierTransfers
+from hybridkv.model_executor.kv_loads import PendingKVLoads
 
 LAYOUTS = ("page_first", "layer_first")
 
@@ -62,6 +69,12 @@ class HostKVCache:
         for name, n in host_pages.items():
             self._add_space(name, self.device_caches.get(name), slots_per_page.get(name), n)
         self.nbytes = sum(h.numel() * h.element_size() for hs in self.host.values() for h in hs)
+        first = next((ts[0] for ts in self.device_caches.values() if ts), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        # The side stream load-backs are copied on (CUDA): the forward overlaps with them.
+        self.load_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._pending: PendingKVLoads | None = None
+        self.load_seconds = 0.0  # host seconds in load-back copies (deferred ones included)
 
     def _add_space(self, name: str, tensors: list[torch.Tensor] | None, spp: int | None, n: int) -> None:
         if not tensors:
@@ -98,11 +111,14 @@ class HostKVCache:
         self.host[name] = host
 
     # -- copies ------------------------------------------------------------------------------
-    def apply(self, transfers: TierTransfers) -> tuple[int, int]:
+    def apply(self, transfers: TierTransfers, defer_loads: bool = False) -> tuple[int, int]:
         """Execute every to_host copy, then every to_device copy (the TierTransfers contract).
-        Returns (bytes copied to the host, bytes copied to the device). Everything is validated
-        first, so a bad page id raises before any page moves."""
+        defer_loads=True hands the to_device copies to the next forward instead (take_loads():
+        it waits for them layer by layer; finish_loads() completes them otherwise). Returns
+        (bytes copied to the host, bytes loaded to the device). Everything is validated first,
+        so a bad page id raises before any page moves."""
         self._validate(transfers)
+        self.finish_loads()  # earlier loads land before these pages are read or reused
         to_host = to_device = 0
         for name, pairs in transfers.to_host.items():
             if pairs:
@@ -110,9 +126,29 @@ class HostKVCache:
                 to_host += len(pairs) * self.bytes_per_page[name]
         for name, pairs in transfers.to_device.items():
             if pairs:
-                self._to_device(name, list(pairs.values()), list(pairs))
+                if self._pending is None:
+                    self._pending = PendingKVLoads(self.device, self.load_stream)
+                self._to_device(name, list(pairs.values()), list(pairs), self._pending)
                 to_device += len(pairs) * self.bytes_per_page[name]
+        if not defer_loads:
+            self.finish_loads()
         return to_host, to_device
+
+    def take_loads(self) -> PendingKVLoads | None:
+        """The load-backs the next forward must wait for, layer by layer (None: none). The
+        caller completes them after the forward with loads_done()."""
+        loads, self._pending = self._pending, None
+        return loads
+
+    def loads_done(self, loads: PendingKVLoads) -> None:
+        loads.finish()
+        self.load_seconds += loads.copy_seconds
+
+    def finish_loads(self) -> None:
+        """Complete load-backs no forward took (before anything else reads device KV)."""
+        if self._pending is not None:
+            loads, self._pending = self._pending, None
+            self.loads_done(loads)
 
     def _validate(self, transfers: TierTransfers) -> None:
         checks = [(name, list(pairs), list(pairs.values())) for name, pairs in transfers.to_host.items()]
@@ -166,30 +202,48 @@ class HostKVCache:
                 g = self._paged(t, name).index_select(pd, dev_idx.to(t.device))
                 self._paged(h, name).index_copy_(pd, host_idx, g.to("cpu"))
 
-    def _to_device(self, name: str, host_ids: list[int], dev_ids: list[int]) -> None:
-        """One gather on the host (into pinned staging when pinned, so the upload is async and
-        stream-ordered before the next forward), one scatter per device tensor."""
+    def _to_device(self, name: str, host_ids: list[int], dev_ids: list[int], loads: PendingKVLoads) -> None:
+        """One load unit per layer slice of each device tensor (see the module docstring): a
+        host gather of the pages' bytes for that slice (into pinned staging when pinned, so the
+        upload is asynchronous on the load stream) and one scatter into the device pages."""
         host_idx = torch.tensor(host_ids, dtype=torch.long)
-        k = len(host_ids)
-        tensors = self.device_caches[name]
-        dev_idx = self._index(dev_ids, tensors[0].device)  # once per space, not per tensor
+        dev_idx_cpu = torch.tensor(dev_ids, dtype=torch.long)
+        on_device: dict[torch.device, torch.Tensor] = {}
+
+        def dev_idx(device: torch.device) -> torch.Tensor:  # moved once per space and device, in-stream
+            if device not in on_device:
+                on_device[device] = self._index(dev_ids, device) if device.type != "cpu" else dev_idx_cpu
+            return on_device[device]
+
         if self.layout == "page_first":
-            # One host gather and one host->device transfer for the whole space.
-            data = self._host_gather(self.host[name][0], 0, host_idx, tensors[0].device)
             off = 0
-            for t, nbytes in zip(tensors, self._tensor_bytes[name]):
-                pd = t.dim() - 2
-                paged = self._paged(t, name)
-                page_shape = paged.shape[:pd] + paged.shape[pd + 1 :]
-                chunk = data[:, off : off + nbytes].to(t.device)  # a no-op unless tensors span devices
-                src = chunk.contiguous().view(t.dtype).view(k, *page_shape).movedim(0, pd)
-                paged.index_copy_(pd, dev_idx.to(t.device), src)
+            for t, nbytes in zip(self.device_caches[name], self._tensor_bytes[name]):
+                units = _layer_units(t)
+                ub = nbytes // len(units)  # a unit's bytes of one page: contiguous in the page row
+                for j, unit in enumerate(units):
+                    rows = self.host[name][0][:, off + j * ub : off + (j + 1) * ub]
+                    loads.add(unit, lambda unit=unit, rows=rows: self._load_rows(name, unit, rows, host_idx, dev_idx))
                 off += nbytes
         else:
-            for t, h in zip(tensors, self.host[name]):
-                pd = t.dim() - 2
-                src = self._host_gather(self._paged(h, name), pd, host_idx, t.device)
-                self._paged(t, name).index_copy_(pd, dev_idx.to(t.device), src)
+            for t, h in zip(self.device_caches[name], self.host[name]):
+                for unit, hu in zip(_layer_units(t), _layer_units(h)):
+                    loads.add(unit, lambda unit=unit, hu=hu: self._load_layer_first(name, unit, hu, host_idx, dev_idx))
+
+    def _load_rows(self, name: str, unit: torch.Tensor, rows: torch.Tensor, host_idx: torch.Tensor, dev_idx) -> None:
+        """page_first: the unit's bytes of the pages host_idx ([k, unit bytes] once gathered),
+        scattered into its device pages."""
+        data = self._host_gather(rows, 0, host_idx, unit.device)
+        pd = unit.dim() - 2
+        paged = self._paged(unit, name)
+        page_shape = paged.shape[:pd] + paged.shape[pd + 1 :]
+        src = data.contiguous().view(unit.dtype).view(len(host_idx), *page_shape).movedim(0, pd)
+        paged.index_copy_(pd, dev_idx(unit.device), src)
+
+    def _load_layer_first(self, name: str, unit: torch.Tensor, hu: torch.Tensor, host_idx: torch.Tensor,
+                          dev_idx) -> None:
+        pd = unit.dim() - 2
+        src = self._host_gather(self._paged(hu, name), pd, host_idx, unit.device)
+        self._paged(unit, name).index_copy_(pd, dev_idx(unit.device), src)
 
     def _host_gather(self, h: torch.Tensor, dim: int, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
         """index_select of host pages, moved to `device` (asynchronously from pinned staging)."""
@@ -240,3 +294,9 @@ class HostKVCache:
             src = data[:, off : off + tb].contiguous().view(h.dtype).view(len(pages), *page_shape).movedim(0, pd)
             paged.index_copy_(pd, idx, src)
             off += tb
+
+
+def _layer_units(t: torch.Tensor) -> list[torch.Tensor]:
+    """The slices one load unit covers: index j along dim 0 when the tensor has a dim before
+    [..., slots, last] (a dense pool's layer), else the whole tensor."""
+    return list(t.unbind(0)) if t.dim() >= 3 else [t]

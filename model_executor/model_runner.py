@@ -188,7 +188,15 @@ class ModelRunner:
         ids = torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in items)), dtype=torch.long)
         if self.device.type != "cpu":
             meta, ids, positions = _to_device(meta, self.device), ids.to(self.device), positions.to(self.device)
-        hidden = self.model(ids, positions, meta)
+        # Host-tier load-backs of this step: every reader of the KV cache waits for its layer's
+        # pages (model_executor/kv_loads.py); whatever nobody waited for completes after.
+        loads = self.host_cache.take_loads() if self.host_cache is not None else None
+        meta.kv_loads = loads
+        try:
+            hidden = self.model(ids, positions, meta)
+        finally:
+            if loads is not None:
+                self.host_cache.loads_done(loads)
 
         if self.captured_logits is not None:
             all_logits = self.model.compute_logits(hidden).float().cpu()

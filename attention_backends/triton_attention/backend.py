@@ -48,6 +48,8 @@ class TritonAttention:
                 "the triton attention backend got CPU tensors but its kernels are compiled for a GPU: "
                 "set TRITON_INTERPRET=1 before hybridkv.attention_backends.triton_attention is imported"
             )
+        if meta.kv_loads is not None:  # host-tier load-backs into this layer's pages land first
+            meta.kv_loads.wait(k_cache, v_cache)
         sm = meta.spaces[space]
         write_kv(k, v, k_cache, v_cache, sm.slot_mapping)
         out = torch.empty_like(q)

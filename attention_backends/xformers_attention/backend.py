@@ -66,6 +66,8 @@ class XformersAttention:
         space: str,
         scale: float,
     ) -> torch.Tensor:
+        if meta.kv_loads is not None:  # host-tier load-backs into this layer's pages land first
+            meta.kv_loads.wait(k_cache, v_cache)
         sm = meta.spaces[space]
         k_cache.index_copy_(1, sm.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, sm.slot_mapping, v.transpose(0, 1))

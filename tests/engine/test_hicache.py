@@ -305,3 +305,70 @@ def test_config_errors_name_the_problem(tiny_ckpt):
         LLM(path, enable_hierarchical_cache=True, hicache_mem_layout="diagonal")
     with pytest.raises(ValueError, match="preemption_mode"):
         LLM(path, preemption_mode="pause")
+
+
+# -- load-backs waited for layer by layer (model_executor/kv_loads.py) ---------------------------
+def _record_loads(llm: LLM) -> list:
+    """Every PendingKVLoads the runner hands a forward, kept for inspection."""
+    host_cache = llm.engine.runner.host_cache
+    seen, take = [], host_cache.take_loads
+
+    def recording():
+        loads = take()
+        if loads is not None:
+            seen.append(loads)
+        return loads
+
+    host_cache.take_loads = recording
+    return seen
+
+
+@pytest.mark.parametrize("model", ["llama", "v4"])
+def test_load_backs_are_waited_for_by_each_layer_before_it_reads(tiny_ckpt, tmp_path_factory, model):
+    """On the CPU a load-back's copies are deferred until a reader waits for them, so a layer
+    that reads its cache without waiting would read stale pages: the outputs equal the no-cache
+    run's, and every load unit was completed by a reader's wait (none was left for the
+    after-forward safety net)."""
+    with single_thread():
+        if model == "llama":
+            path, kw = tiny_ckpt("llama"), dict(max_model_len=256)
+        else:
+            path = build_v4_checkpoint(str(tmp_path_factory.mktemp("v4loads")), sliding_window=40, index_topk=5)
+            kw = dict(block_size=32, max_model_len=256, max_num_seqs=2)
+        ref = LLM(path, dtype="float32", enable_prefix_caching=False, **kw)
+        prompt = _prompt(100, ref.engine.runner.config.vocab_size, seed=60)
+        want = run_one(ref, prompt, 6)
+        llm = LLM(path, dtype="float32", enable_hierarchical_cache=True, **kw)
+        seen = _record_loads(llm)
+        run_one(llm, prompt[:96] + [7], 1)
+        evict_device(llm)
+        out = run_one(llm, prompt, 6)
+        assert out.metrics["prompt_tokens_from_host"] == 96, out.metrics
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        torch.testing.assert_close(torch.tensor(sampled_logprobs(out)), torch.tensor(sampled_logprobs(want)),
+                                   atol=LOGPROB_ATOL, rtol=0)
+        assert len(seen) == 1, "one step loads the hit back"
+        loads = seen[0]
+        assert loads.num_waits == len(loads._units) > 0, "a load unit was not waited for by any reader"
+
+
+def test_a_reader_that_does_not_wait_reads_stale_pages(tiny_ckpt, monkeypatch):
+    """The check above can fail: with the backend's wait removed, the first layer reads the
+    deferred pages before they are copied and the output changes (the CPU twin of a missing
+    event wait on the GPU side stream)."""
+    from hybridkv.model_executor import kv_loads
+
+    path = tiny_ckpt("llama")
+    ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    prompt = _prompt(100, ref.engine.runner.config.vocab_size, seed=61)
+    want = run_one(ref, prompt, 4)
+    llm = LLM(path, dtype="float32", max_model_len=256, enable_hierarchical_cache=True)
+    run_one(llm, prompt[:96] + [7], 1)
+    evict_device(llm)
+    # Scribble over the freed device pages so a stale read cannot happen to find the right data.
+    for t in llm.engine.runner.kv_caches["full"]:
+        t[..., 16:, :].normal_()
+    monkeypatch.setattr(kv_loads.PendingKVLoads, "wait", lambda self, *tensors: None)
+    out = run_one(llm, prompt, 4)
+    assert out.metrics["prompt_tokens_from_host"] == 96
+    assert sampled_logprobs(out) != sampled_logprobs(want), "a reader that skipped its wait still read the right pages"

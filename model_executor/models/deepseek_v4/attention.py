@@ -45,6 +45,14 @@ class V4LayerCache:
     hot: torch.Tensor | None = None  # HiSparse: this CSA layer's hot buffers (c4 entries then = the mirror)
     hot_layer: int = 0  # its ordinal among the CSA layers (HotBuffers' layer index)
 
+    def paged_tensors(self) -> list[torch.Tensor]:
+        """Every block-space tensor this layer reads (what host-tier load-backs may write)."""
+        out = [self.swa]
+        for c in (self.compressor, self.indexer):
+            if c is not None:
+                out += [c.state_kv, c.state_gate, c.entries]
+        return out
+
 
 def hybrid_backend(attention_backend: str | None) -> HybridV4Attention:
     """The V4 layers' backend for the runner's choice: the Triton kernels when it is "triton"."""
@@ -105,6 +113,8 @@ class V4Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: HybridAttentionMetadata) -> torch.Tensor:
         T, H, D = x.shape[0], self.num_heads, self.head_dim
         cache = self.cache
+        if meta.kv_loads is not None:  # host-tier load-backs into this layer's pages land first
+            meta.kv_loads.wait(*cache.paged_tensors())
         q_latent = self.q_norm(self.wq_a(x))
         q = rms_normalize(self.wq_b(q_latent).view(T, H, D), self.eps)
         q = self.rope(q, positions)
