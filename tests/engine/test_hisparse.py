@@ -210,3 +210,26 @@ def test_abort_mid_decode_releases_the_row_and_leaves_the_others_unchanged(v4_pa
             out[o.request_id] = o.outputs[0].token_ids
     assert out["a"] == want["0"] and out["late"] == want["1"]
     assert hs.num_active == 0 and hs.num_tracked == 0
+
+
+def test_hisparse_with_the_host_tier_equals_both_off(v4_path):
+    """HiSparse and HiCache L2 together: the first prompt's pages are all evicted from the device
+    (to the host tier: the c4 mirror, swa, state, c128 and indexer pages alike), then a longer
+    prompt over it is loaded back layer by layer and decodes through the hot buffers; outputs
+    equal the run with neither."""
+    path = v4_path("w16_topk8")
+    base = _prompts([320], seed=4)[0]
+    longer = base + _prompts([70], seed=5)[0]
+    ref = LLM(path, enable_prefix_caching=False, **KW)
+    want = [_generate(ref, [base], 12)[0], _generate(ref, [longer], 12)[0]]
+    llm = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 12}, enable_hierarchical_cache=True,
+              **KW)
+    first = _generate(llm, [base], 12)[0]
+    kv = llm.engine.kv
+    for name, space in kv.spaces.items():
+        kv.index.evict(name, space.num_pages)
+    llm.engine._flush_tier_transfers()
+    second = _generate(llm, [longer], 12)[0]
+    assert second.metrics["prompt_tokens_from_host"] >= 288, second.metrics
+    _same([first, second], want)
+    assert llm.engine.kv.hisparse.num_active == 0
