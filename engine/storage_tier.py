@@ -236,6 +236,12 @@ class StorageTier:
                 self.stats.prefetches_timed_out += 1
                 self._release(rid)
 
+    def wait_reads(self, timeout: float = 30.0) -> None:
+        """Block until every outstanding read has finished (tests and benchmarks that need the
+        reads to land before a step; the engine itself never blocks on them)."""
+        futures = [pf.future for pf in self._prefetches.values() if not pf.done]
+        concurrent.futures.wait(futures, timeout=timeout)
+
     def wait(self, longest: float = 0.01) -> None:
         """The engine's idle wait while every waiting request waits for its read: block until
         one read finishes or the nearest prefetch deadline passes (at most `longest` seconds),

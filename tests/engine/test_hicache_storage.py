@@ -271,8 +271,8 @@ def test_pages_read_for_waiting_requests_stay_on_the_host_until_admission(tiny_c
     """Four requests arrive at once, one runs at a time, and their reads together need more
     host pages than the host tier has. Recorded pages are host-pinned until their request is
     admitted (up to half the host pool), so the reads of the requests queued behind do not
-    evict them: the first request is served its whole prefix from storage. Every pin is
-    released (assert_idle), and outputs equal the no-cache run."""
+    evict them: the first request runs first and is served its whole prefix from storage. Every
+    pin is released (assert_idle), and outputs equal the no-cache run."""
     path = tiny_ckpt("llama")
     ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
     vocab = ref.engine.runner.config.vocab_size
@@ -287,23 +287,26 @@ def test_pages_read_for_waiting_requests_stay_on_the_host_until_admission(tiny_c
     storage = llm.engine.storage
     assert storage.max_pinned_pages == 8
     eng = llm.engine
+    pins = []
+    pin_host = eng.kv.index.pin_host
+    eng.kv.index.pin_host = lambda node: (pins.append(node.depth), pin_host(node))
     for i, p in enumerate(prompts):
         eng.add_request(f"q{i}", {"prompt_token_ids": p}, greedy(3))
+    storage.wait_reads()  # every read lands before the first step records them, in arrival order
     outs, order = {}, []
-    pinned_seen = 0
     while eng.has_unfinished_requests():
         for o in eng.step():
             if o.finished:
                 outs[o.request_id] = o
                 order.append(o.request_id)
-        pinned_seen = max(pinned_seen, storage.num_pinned_pages)
     # (Without pins, measured: the later reads evicted q0's pages, q3 ran first, one request
     # recomputed its whole prompt, five reads were restarted.)
-    assert pinned_seen > 0, "no recorded read was pinned"
+    assert pins and pins[0] == 6, f"the first recorded read was not pinned whole: {pins}"
     assert order[0] == "q0", f"the first request lost its read to the ones queued behind it: order {order}"
-    from_storage = {k: o.metrics["prompt_tokens_from_storage"] for k, o in outs.items()}
-    assert all(v == 96 for v in from_storage.values()), (
-        "pages read for a waiting request were evicted before it was admitted", from_storage)
+    # The pinned read is served whole; the others (past the cap of half the host pool) may lose
+    # pages to the host eviction of later reads, depending on when each read lands.
+    assert outs["q0"].metrics["prompt_tokens_from_storage"] == 96, (
+        "pages read for a waiting request were evicted before it was admitted", outs["q0"].metrics)
     assert storage.num_pinned_pages == 0 and storage.num_outstanding == 0
     assert eng.kv.index.num_host_pins == 0
     for i in range(4):
