@@ -244,7 +244,7 @@ def _decode_tiles(
     P = page_size
     tab = table.numpy()
     pos = ctx.numpy().astype(np.int64) - 1
-    kstart = np.maximum(pos - window + 1, 0) if window is not None else np.zeros_like(pos)
+    kstart = window_start(pos, window)
     first_page = kstart // P
     n_pages = pos // P - first_page + 1  # pages each query reads, >= 1
     chunk_pages = max(1, sizes.kv_chunk // P)

@@ -13,11 +13,11 @@ NULL_PAGE = 0
 def window_start(pos, window: int | None):
     """The window rule, in one place: the query at position `pos` reads keys [window_start, pos].
 
-    Works on ints and on integer tensors. window None = the whole history is read."""
+    Works on ints, integer tensors and numpy arrays. window None = the whole history is read."""
     if window is None:
         return pos * 0 if not isinstance(pos, int) else 0
     start = pos - window + 1
-    return max(0, start) if isinstance(start, int) else start.clamp(min=0)
+    return max(0, start) if isinstance(start, int) else start.clip(min=0)
 
 
 @dataclass(frozen=True)

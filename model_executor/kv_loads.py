@@ -67,6 +67,10 @@ class PendingKVLoads:
     def empty(self) -> bool:
         return not self._units
 
+    @property
+    def num_units(self) -> int:
+        return len(self._units)
+
     def add(self, target: torch.Tensor, copy: Callable[[], None]) -> None:
         """A copy that writes (only) into `target`'s memory: issued now on CUDA, deferred on CPU."""
         start, end = byte_span(target)

@@ -180,11 +180,7 @@ class ModelRunner:
         meta = self.model.build_attention_metadata(seqs, self.windows, self.kv.page_size)
         if self.debug_checks:
             self.check_no_null_page_writes(meta)
-        q_lens = torch.tensor(seqs.query_lens)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(items)), q_lens)
-        # position of token j of sequence i = start_i + j
-        offset = torch.tensor([s.start for s in items]) - (torch.cumsum(q_lens, 0) - q_lens)
-        positions = torch.arange(seq_of_token.shape[0]) + offset[seq_of_token]
+        positions = torch.from_numpy(seqs.token_rows[1])  # token j of sequence i sits at start_i + j
         ids = torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in items)), dtype=torch.long)
         if self.device.type != "cpu":
             meta, ids, positions = _to_device(meta, self.device), ids.to(self.device), positions.to(self.device)
