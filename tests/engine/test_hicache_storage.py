@@ -443,3 +443,27 @@ def test_best_effort_prefetch_admits_without_waiting_for_the_read(tiny_ckpt, tmp
         outs += [o for o in eng.step() if o.finished]
     assert outs[0].metrics["prompt_tokens_from_storage"] == 96, outs[0].metrics
     assert storage.num_outstanding == 0
+
+
+def test_aborting_a_waiting_request_releases_its_host_pin(tiny_ckpt, tmp_path):
+    """A request whose read was recorded and pinned waits behind a running one (max_num_seqs=1);
+    aborted while it waits, its pin goes back (pinned pages 0, no pin left in the index) and the
+    pages become ordinary host-cache pages."""
+    path = tiny_ckpt("llama")
+    prompts = [_prompt(100, 300, seed=70 + i) for i in range(2)]
+    first = _file_llm(path, str(tmp_path))
+    for p in prompts:
+        run_one(first, p, 1)
+    _stored(first)
+    llm = _file_llm(path, str(tmp_path), max_num_seqs=1)
+    eng, storage = llm.engine, llm.engine.storage
+    eng.add_request("running", {"prompt_token_ids": _prompt(20, 300, seed=72)}, greedy(50))
+    eng.step()  # it holds the only slot
+    eng.add_request("waiting", {"prompt_token_ids": prompts[1]}, greedy(2))
+    storage.wait_reads()
+    eng.step()  # records the read: pinned, but no slot to admit it
+    assert storage.num_pinned_pages == 6 and eng.kv.index.num_host_pins == 1
+    eng.abort_request("waiting")
+    assert storage.num_pinned_pages == 0 and eng.kv.index.num_host_pins == 0 and storage.num_outstanding == 0
+    eng.abort_request("running")
+    eng.kv.check_invariants()
