@@ -37,9 +37,6 @@ class TileSizes:
     kv_chunk: int = 1024  # keys per split-KV decode item / per prefill key chunk
     decode_tile_keys: int = 16384  # keys gathered at once for a tile of decode items
     prefill_q_tile: int = 256  # query rows per prefill tile
-    # A prefill tile whose keys number at most this runs as one SDPA call with a mask for that
-    # tile (the fast path after a prefix hit); a longer one walks its keys in kv_chunk chunks.
-    prefill_single_shot_keys: int = 4096
     # A run of consecutive key slots at least this long is read in place (a view of the cache);
     # shorter runs are gathered together (a matmul per short run would cost more than the copy).
     min_view_keys: int = 256

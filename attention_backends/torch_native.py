@@ -13,12 +13,14 @@ never by batch x longest context:
     decode batch is one tile and one plain softmax (the fast path). (On CPU this beats
     scaled_dot_product_attention for one query token, which in bfloat16 takes a slow path.)
   * Prefill: a chunk that starts at position 0 and whose window does not bite runs as one SDPA
-    is_causal call on its own K/V. Otherwise it is cut into query tiles; a tile whose keys fit
-    in TileSizes.prefill_single_shot_keys is one SDPA call with a mask for that tile only, a
-    longer one walks its keys in chunks of TileSizes.kv_chunk with an online softmax. Keys
-    whose slots are consecutive (runs of pages off the FIFO free list) are read in place, as a
-    view of the cache, not gathered; only the key columns a query may not see are masked (the
-    chunk's own tail and the window's edge), never the whole prefix.
+    is_causal call on its own K/V. Otherwise it is cut into query tiles of
+    TileSizes.prefill_q_tile queries; each tile reads its keys in blocks (at most _key_chunk
+    keys gathered at once) through the CPU flash-attention kernel, which returns each block's
+    log-sum-exp, and the blocks are merged by it. A KV head's query heads are folded into its
+    query rows, so one call reads each KV head once (no K/V repeat for GQA). Keys whose slots
+    are consecutive (runs of pages off the FIFO free list) are read in place, as a view of the
+    cache, not gathered; only the key columns a query may not see are masked (the chunk's own
+    tail and the window's edge, at most a tile's width each), never the whole prefix.
 """
 from __future__ import annotations
 
@@ -118,40 +120,20 @@ class TorchNativeAttention:
             b = min(qe - qs, a + sizes.prefill_q_tile)
             k0 = window_start(p.start + a, window) - p.key_start  # first key this tile reads
             k1 = p.start + b - p.key_start  # one past the last (the tile's last query)
-            qt = q[qs + a : qs + b]
-            if k1 - k0 <= sizes.prefill_single_shot_keys:
-                mask = _tile_mask(p.start + a, p.start + b, p.key_start + k0, p.key_start + k1, window, q.device)
-                o = F.scaled_dot_product_attention(
-                    qt.transpose(0, 1).unsqueeze(0),
-                    _read_keys(k_cache, p, k0, k1).unsqueeze(0),
-                    _read_keys(v_cache, p, k0, k1).unsqueeze(0),
-                    attn_mask=mask, scale=scale, enable_gqa=gqa,
-                )
-                out[a:b] = o[0].transpose(0, 1)
-            else:
-                out[a:b] = _chunked_prefill_tile(
-                    qt, p.start + a, k_cache, v_cache, p, k0, k1, window, scale, _key_chunk(b - a, sizes),
-                    sizes.min_view_keys,
-                )
+            out[a:b] = _prefill_tile(
+                q[qs + a : qs + b], p.start + a, k_cache, v_cache, p, k0, k1, window, scale,
+                _key_chunk(b - a, sizes), sizes.min_view_keys,
+            )
         return out
 
 
 def _key_chunk(queries: int, sizes: TileSizes) -> int:
-    """Keys per online-softmax step of a prefill tile: kv_chunk for a full tile, more for a short
-    one (its scores stay no larger than a full tile's, its gathered K/V no larger than a decode
-    tile's). A short chunk late in a long context, as chunked prefill beside running streams
-    produces, then walks its keys in one or two steps instead of one per kv_chunk keys."""
+    """Keys per block of a prefill tile: kv_chunk for a full tile, more for a short one (up to
+    a decode tile's keys, so a gathered block's K/V stay within a decode tile's). A short chunk
+    late in a long context, as chunked prefill beside running streams produces, then reads its
+    keys in one or two calls instead of one per kv_chunk keys."""
     scaled = sizes.kv_chunk * sizes.prefill_q_tile // max(1, queries)
     return max(sizes.kv_chunk, min(scaled, sizes.decode_tile_keys))
-
-
-def _read_keys(cache: torch.Tensor, p: PrefillSeq, k0: int, k1: int) -> torch.Tensor:
-    """cache rows of p's keys [k0, k1) as [Hkv, k1 - k0, D]: a view when they are one run of
-    consecutive slots, else a gather."""
-    blocks = p.key_blocks(k0, k1, k1 - k0, 1)
-    if len(blocks) == 1 and blocks[0][2] is not None:
-        return cache[:, blocks[0][2] : blocks[0][2] + k1 - k0]
-    return gather_slots(cache, p.key_slots[k0:k1])
 
 
 def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -211,7 +193,27 @@ def _decode_tile(
     return o.transpose(0, 1), m.transpose(0, 1), l.transpose(0, 1)
 
 
-def _chunked_prefill_tile(
+def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [1, Hkv, rows, D] over one key block k, v [1, Hkv, L, D] (mask: additive,
+    [rows, L], q's dtype): (out [1, Hkv, rows, D], log-sum-exp of the scaled scores [1, Hkv, rows]).
+
+    On CPU it is the flash-attention kernel behind SDPA, called directly for its log-sum-exp
+    (blocked, vectorised, parallel over heads and query blocks: 1.3-2.7x the matmul-softmax-
+    matmul it replaces for 1-64 queries over 8k keys on a 2-core Zen 3). Elsewhere (a CUDA
+    tensor given to the reference backend) the same result in plain ops."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                          scale=scale)
+    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        s = s + mask.float()
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num_(0.0)  # a fully masked row: all zeros
+    return torch.matmul(p.to(v.dtype), v), lse
+
+
+def _prefill_tile(
     qt: torch.Tensor,  # [n, H, D]
     q_first: int,  # position of qt[0]
     k_cache: torch.Tensor,
@@ -224,36 +226,57 @@ def _chunked_prefill_tile(
     chunk: int,
     min_view: int,
 ) -> torch.Tensor:
-    """One query tile over keys p.key_slots[k0:k1], `chunk` keys at a time (online softmax); runs
-    of at least min_view consecutive slots are read in place."""
+    """One query tile over keys p.key_slots[k0:k1], as fused flash-attention calls over key
+    blocks of at most `chunk` keys merged by their log-sum-exp; runs of at least min_view
+    consecutive slots are read in place.
+
+    The query heads of one KV head are folded into its query rows ([Hkv, grp * n, D]), so one
+    call reads each KV head's keys once for all its query heads (no repeat of K/V for GQA).
+    Only the key columns some query may not see -- the window's edge and the chunk's own causal
+    tail, at most n columns each -- get a mask; the open range between them, which is nearly
+    every key of a short chunk late in a long context, runs unmasked."""
     n, H, D = qt.shape
     hkv = k_cache.shape[0]
-    qg = qt.transpose(0, 1).reshape(hkv, H // hkv * n, D)  # [Hkv, grp*n, D]; rows (group, query)
-    m = torch.full((hkv, H // hkv, n, 1), _NEG_BIG, device=qt.device)
-    l = torch.zeros(hkv, H // hkv, n, 1, device=qt.device)
-    acc = torch.zeros(hkv, H // hkv, n, D, device=qt.device)
-    # Keys every query of the tile may read (positions [window start of the last query, first
-    # query]) need no mask: only the columns outside that range are masked.
-    open_lo = window_start(q_first + n - 1, window) - p.key_start
-    open_hi = q_first + 1 - p.key_start
-    for c0, c1, slot in p.key_blocks(k0, k1, chunk, min_view):
-        if slot is None:
-            slots = p.key_slots[c0:c1]
-            kd, vd = gather_slots(k_cache, slots), gather_slots(v_cache, slots)  # [Hkv, L, D]
-        else:  # consecutive slots: read in place
-            kd, vd = k_cache[:, slot : slot + c1 - c0], v_cache[:, slot : slot + c1 - c0]
-        s = _grouped_scores(qg, kd, scale).view(hkv, H // hkv, n, c1 - c0)
-        for m0, m1 in ((c0, min(c1, open_lo)), (max(c0, open_hi), c1)):
-            if m0 < m1:
-                mask = _tile_mask(q_first, q_first + n, p.key_start + m0, p.key_start + m1, window, qt.device)
-                if mask is not None:
-                    s[..., m0 - c0 : m1 - c0].masked_fill_(~mask, float("-inf"))
-        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-        probs = torch.exp(s - m_new)
-        alpha = torch.exp(m - m_new)
-        l = l * alpha + probs.sum(dim=-1, keepdim=True)
-        pv = torch.matmul(probs.view(hkv, -1, c1 - c0).to(vd.dtype), vd).float()
-        acc = acc * alpha + pv.view(hkv, H // hkv, n, D)
-        m = m_new
-    out = (acc / l).reshape(H, n, D).transpose(0, 1)  # [n, H, D]
-    return out.to(qt.dtype)
+    grp = H // hkv
+    qg = qt.view(n, hkv, grp, D).permute(1, 2, 0, 3).reshape(1, hkv, grp * n, D)  # rows (group, query)
+    # Keys every query of the tile may read: positions [window start of the last query, first query].
+    open_lo = max(k0, window_start(q_first + n - 1, window) - p.key_start)
+    open_hi = min(k1, q_first + 1 - p.key_start)
+    if open_lo < open_hi:
+        ranges = ((k0, open_lo, True), (open_lo, open_hi, False), (open_hi, k1, True))
+    else:  # more queries than the window: every column is an edge column of some query
+        ranges = ((k0, k1, True),)
+    acc = m = l = None
+    for r0, r1, edge in ranges:
+        if r0 >= r1:
+            continue
+        for c0, c1, slot in p.key_blocks(r0, r1, chunk, min_view):
+            if slot is None:
+                slots = p.key_slots[c0:c1]
+                kd, vd = gather_slots(k_cache, slots), gather_slots(v_cache, slots)  # [Hkv, L, D]
+            else:  # consecutive slots: read in place
+                kd, vd = k_cache[:, slot : slot + c1 - c0], v_cache[:, slot : slot + c1 - c0]
+            mask = blind = None
+            if edge:
+                allowed = _tile_mask(q_first, q_first + n, p.key_start + c0, p.key_start + c1, window, qt.device)
+                if allowed is not None:
+                    mask = torch.zeros(allowed.shape, dtype=qt.dtype, device=qt.device)
+                    mask = mask.masked_fill_(~allowed, float("-inf")).repeat(grp, 1)  # [grp * n, L]
+                    blind = ~allowed.any(dim=-1)  # queries that see none of these keys
+            o, lse = _attend_block(qg, kd.unsqueeze(0), vd.unsqueeze(0), mask, scale)
+            if blind is not None and bool(blind.any()):
+                # A fully masked row comes back as zeros with log-sum-exp 0; give it no weight.
+                lse = lse.masked_fill(blind.repeat(grp), _NEG_BIG)
+            if acc is None:
+                acc, m, l = o, lse, None
+                continue
+            if l is None:  # a second block: switch to the float32 running merge
+                acc, l = acc.float(), torch.ones_like(m)
+            m_new = torch.maximum(m, lse)
+            alpha, beta = torch.exp(m - m_new), torch.exp(lse - m_new)
+            l = l * alpha + beta
+            acc = acc * alpha.unsqueeze(-1) + o.float() * beta.unsqueeze(-1)
+            m = m_new
+    if l is not None:
+        acc = (acc / l.unsqueeze(-1)).to(qt.dtype)
+    return acc.view(hkv, grp, n, D).permute(2, 0, 1, 3).reshape(n, H, D)

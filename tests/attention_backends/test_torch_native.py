@@ -1,8 +1,8 @@
 """The torch-native paged backend and its block-table metadata, against dense attention written
 from the definition: random page assignments, released (NULL_PAGE) pages of a windowed space,
 decodes mixed with prefill chunks, and tile sizes small enough that every path runs (one-tile
-decode, split-KV decode with the log-sum-exp merge, SDPA is_causal, single-shot tile mask,
-chunked online softmax). The pool outside the null page is NaN, standing in for the
+decode, split-KV decode with the log-sum-exp merge, SDPA is_causal, prefill tiles over several
+key blocks merged by their log-sum-exp, masked edge blocks with fully masked rows). The pool outside the null page is NaN, standing in for the
 uninitialised memory of a torch.empty pool: a masked read of it would poison the output."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from hybridkv.block_manager.space_spec import NULL_PAGE, window_start
 
 P, H, HKV, D = 4, 4, 2, 8
 NUM_PAGES = 200  # real pages 1..NUM_PAGES; page 0 is the null page
-SMALL_TILES = TileSizes(kv_chunk=8, decode_tile_keys=24, prefill_q_tile=5, prefill_single_shot_keys=12,
+SMALL_TILES = TileSizes(kv_chunk=8, decode_tile_keys=24, prefill_q_tile=5,
                         min_view_keys=P)
 
 
