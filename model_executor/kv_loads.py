@@ -71,6 +71,11 @@ class PendingKVLoads:
     def num_units(self) -> int:
         return len(self._units)
 
+    @property
+    def num_done(self) -> int:
+        """Units whose copies have run (waited for by a reader, or completed by finish)."""
+        return sum(u.waited for u in self._units)
+
     def add(self, target: torch.Tensor, copy: Callable[[], None]) -> None:
         """A copy that writes (only) into `target`'s memory: issued now on CUDA, deferred on CPU."""
         start, end = byte_span(target)

@@ -352,6 +352,45 @@ def test_load_backs_are_waited_for_by_each_layer_before_it_reads(tiny_ckpt, tmp_
         assert loads.num_waits == loads.num_units > 0, "a load unit was not waited for by any reader"
 
 
+def test_a_forward_that_raises_still_completes_its_load_backs(tiny_ckpt, monkeypatch):
+    """A forward that fails before any layer waited: the runner completes the step's load-backs
+    anyway (its finally), so no copy is left pending to land later over reused pages, and the
+    pages hold the host data: the same step run again (forward restored) gives the no-cache
+    run's output."""
+    path = tiny_ckpt("llama")
+    ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    prompt = _prompt(100, ref.engine.runner.config.vocab_size, seed=62)
+    want = run_one(ref, prompt, 4)
+    llm = LLM(path, dtype="float32", max_model_len=256, enable_hierarchical_cache=True)
+    seen = _record_loads(llm)
+    run_one(llm, prompt[:96] + [7], 1)
+    evict_device(llm)
+    for t in llm.engine.runner.kv_caches["full"]:  # freed device pages: no stale read can pass
+        t[..., 16:, :].normal_()
+    model = llm.engine.runner.model
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("forward failed")
+
+    monkeypatch.setattr(model, "forward", boom)
+    engine = llm.engine
+    rid = engine.add_request(None, {"prompt_token_ids": prompt}, params=SamplingParams(max_tokens=4, temperature=0))
+    with pytest.raises(RuntimeError, match="forward failed"):
+        engine.step()
+    assert len(seen) == 1, "the failed step had load-backs"
+    loads = seen[0]
+    assert loads.num_waits == 0 and loads.num_done == loads.num_units > 0, (
+        f"{loads.num_done} of {loads.num_units} load units completed after a failed forward")
+    monkeypatch.undo()
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outputs[o.request_id] = o
+    out = outputs[rid]
+    assert out.metrics["prompt_tokens_from_host"] == 96, out.metrics
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids, "the loaded pages do not hold the host data"
+
+
 def test_a_reader_that_does_not_wait_reads_stale_pages(tiny_ckpt, monkeypatch):
     """The check above can fail: with the backend's wait removed, the first layer reads the
     deferred pages before they are copied and the output changes (the CPU twin of a missing
