@@ -194,15 +194,16 @@ def _decode_tile(
 
 
 def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [1, Hkv, rows, D] over one key block k, v [1, Hkv, L, D] (mask: additive,
     [rows, L], q's dtype): (out [1, Hkv, rows, D], log-sum-exp of the scaled scores [1, Hkv, rows]).
 
     On CPU it is the flash-attention kernel behind SDPA, called directly for its log-sum-exp
     (blocked, vectorised, parallel over heads and query blocks: 1.3-2.7x the matmul-softmax-
     matmul it replaces for 1-64 queries over 8k keys on a 2-core Zen 3). Elsewhere (a CUDA
-    tensor given to the reference backend) the same result in plain ops."""
-    if q.device.type == "cpu":
+    tensor given to the reference backend) the same result in plain ops (fused=False forces
+    them: the test that checks the two agree runs on the CPU)."""
+    if fused if fused is not None else q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
                                                                           scale=scale)
     s = torch.matmul(q, k.transpose(-1, -2)).float() * scale

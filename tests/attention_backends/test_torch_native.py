@@ -133,3 +133,26 @@ def test_slot_mapping_writes_each_new_token_through_its_block_table_row():
     want = [int(table[i, t // P]) * P + t % P for i, (s, n) in enumerate(SPANS) for t in range(s, s + n)]
     assert sm.slot_mapping.tolist() == want
     assert min(want) >= P  # never the null page
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_and_plain_key_blocks_agree_including_fully_masked_rows(dtype):
+    """_attend_block's two implementations (the CPU flash kernel; plain ops, what a CUDA tensor
+    gets) give the same output and log-sum-exp; a row whose keys are all masked comes back as
+    zeros from both (its log-sum-exp is not used: the caller gives it no weight)."""
+    from hybridkv.attention_backends.torch_native import _attend_block
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=g).to(dtype), torch.randn(1, 2, 11, 8, generator=g).to(dtype),
+               torch.randn(1, 2, 11, 8, generator=g).to(dtype))
+    allowed = torch.rand(6, 11, generator=g) > 0.4
+    allowed[2] = False
+    mask = torch.zeros(6, 11, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    fused, plain = _attend_block(q, k, v, mask, 0.3, fused=True), _attend_block(q, k, v, mask, 0.3, fused=False)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(fused[0].float(), plain[0].float(), **tol)
+    seen = allowed.any(-1)
+    torch.testing.assert_close(fused[1][..., seen].float(), plain[1][..., seen].float(), **tol)
+    assert fused[0][..., 2, :].abs().max() == 0 and plain[0][..., 2, :].abs().max() == 0
+    ref = torch.softmax((q.float() @ k.float().transpose(-1, -2)) * 0.3 + mask.float(), -1).nan_to_num(0) @ v.float()
+    torch.testing.assert_close(plain[0].float(), ref, **tol)
