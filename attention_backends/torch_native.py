@@ -203,7 +203,7 @@ def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     matmul it replaces for 1-64 queries over 8k keys on a 2-core Zen 3). Elsewhere (a CUDA
     tensor given to the reference backend) the same result in plain ops (fused=False forces
     them: the test that checks the two agree runs on the CPU)."""
-    if fused if fused is not None else q.device.type == "cpu":
+    if (fused if fused is not None else q.device.type == "cpu"):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
                                                                           scale=scale)
     s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
