@@ -226,6 +226,7 @@ class KVCacheManager:
         namespace: Hashable = None,
         priority: int = 0,
         touch_hit: bool = False,
+        decode: bool = False,
     ) -> bool:
         """Make the request's tables cover its first num_tokens tokens in every space.
 
@@ -235,6 +236,9 @@ class KVCacheManager:
         what is short and take the pages. Otherwise it changes nothing — no eviction, no lock,
         no hit count — and returns False: the scheduler then preempts someone or waits.
         touch_hit counts the hit for the eviction policy (once, on admission).
+        New pages continue the run of the request's last page where they can (block_space.py);
+        decode=True (it grows by one decoded token) takes them from the free list's back instead,
+        out of the way of the runs that prefill chunks grow.
         """
         req = self._requests.get(request_id)
         if req is not None and num_tokens < req.grow_at:
@@ -304,7 +308,9 @@ class KVCacheManager:
                 self._extend(req, name, pages)
         for name, n in needs.items():
             if n > 0:
-                self._extend(req, name, self.spaces[name].allocate(n))
+                table = req.tables[name]
+                after = None if decode or not table else table[-1]
+                self._extend(req, name, self.spaces[name].allocate(n, after=after, tail=decode))
         req.grow_at = min(
             (len(req.tables[name]) * spec.slots_per_page(self.page_size) + 1) * spec.tokens_per_slot
             for name, spec in self.specs.items()

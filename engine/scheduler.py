@@ -153,7 +153,7 @@ class Scheduler:
                 if n == 0:  # over this step's latency budget: it continues next step
                     i += 1
                     continue
-            while not allocate(req.request_id, start + n):
+            while not allocate(req.request_id, start + n, decode=n == 1 and bool(req.output_token_ids)):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)

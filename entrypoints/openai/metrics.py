@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 
 from hybridkv.engine.async_llm_engine import EngineSnapshot
 from hybridkv.engine.outputs import RequestOutput
+from hybridkv.entrypoints.openai.gc_pauses import GcPauses
 
 PREFIX = "hybridkv:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -140,9 +141,30 @@ class _EngineCollector(Collector):
                         hs["mirror_pages_in_use"])
 
 
+class _GcCollector(Collector):
+    """The process's garbage-collector pauses (gc_pauses.py), read at scrape time."""
+
+    def __init__(self, pauses: GcPauses, model_name: str) -> None:
+        self._pauses, self._model = pauses, model_name
+
+    def collect(self) -> Iterable[Metric]:
+        p = self._pauses
+        n = CounterMetricFamily(PREFIX + "gc_collections", "Garbage collections, by generation.",
+                                labels=["model_name", "generation"])
+        t = CounterMetricFamily(PREFIX + "gc_pause_seconds", "Seconds every thread stood still in "
+                                "garbage collection, by generation.", labels=["model_name", "generation"])
+        for gen in range(3):
+            n.add_metric([self._model, str(gen)], p.collections[gen])
+            t.add_metric([self._model, str(gen)], p.seconds[gen])
+        longest = GaugeMetricFamily(PREFIX + "gc_longest_pause_seconds", "The longest garbage-collection pause.",
+                                    labels=["model_name"])
+        longest.add_metric([self._model], p.longest_seconds)
+        return [n, t, longest]
+
+
 class ServerMetrics:
     def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot],
-                 limits: dict[str, int] | None = None) -> None:
+                 limits: dict[str, int] | None = None, gc_pauses: GcPauses | None = None) -> None:
         """limits: the server's admission limits by name (e.g. max_seqs_per_request), exported
         as hybridkv:admission_limit{limit=...} so dashboards can read them next to the counters."""
         self.model_name = model_name
@@ -165,6 +187,8 @@ class ServerMetrics:
         self._success = Counter(PREFIX + "request_success", "Finished sequences by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         r.register(_EngineCollector(snapshot, model_name))
+        if gc_pauses is not None:
+            r.register(_GcCollector(gc_pauses, model_name))
         if limits:
             limit = Gauge(PREFIX + "admission_limit", "Admission limits of this server.", ["model_name", "limit"],
                           registry=r)

@@ -1,4 +1,6 @@
 """BlockSpace ledger: free + cached + in use == capacity, refcounts never negative."""
+import random
+
 import pytest
 
 from hybridkv.block_manager.block_space import BlockSpace, OutOfPagesError
@@ -45,3 +47,46 @@ def test_decref_below_zero_is_refused():
 def test_page_size_must_be_multiple_of_compression_ratio():
     with pytest.raises(ValueError, match="multiple"):
         BlockSpace(SpaceSpec("c4", tokens_per_slot=4), 2, 6)
+
+
+def test_allocate_after_continues_the_run_while_its_pages_are_free():
+    s = BlockSpace(SpaceSpec("full"), 12, 16)
+    a = s.allocate(2)  # 1, 2
+    b = s.allocate(1)  # 3: someone else's page ends a's run
+    assert a == [1, 2] and b == [3]
+    assert s.allocate(2, after=b[0]) == [4, 5]  # b's run goes on
+    assert s.allocate(2, after=a[-1]) == [6, 7]  # 3 is taken: a starts a new run at the front
+    s.check_invariants()
+
+
+def test_tail_takes_the_newest_freed_page_and_leaves_the_front_run_whole():
+    s = BlockSpace(SpaceSpec("full"), 12, 16)
+    first = s.allocate(4)
+    s.decref(first[1])
+    s.decref(first[2])  # the newest freed: page 3
+    assert s.allocate(1, tail=True) == [3]
+    assert s.allocate(3, after=first[-1]) == [5, 6, 7]
+    s.check_invariants()
+
+
+def test_run_continuation_keeps_the_free_list_exact_and_bounded():
+    """Invariant: pages taken out of order leave stale free-list entries that are never handed
+    out, and the free list never grows past twice the free pages (plus slack) under any mix."""
+    rng = random.Random(1)
+    s = BlockSpace(SpaceSpec("full"), 200, 16)
+    held: list[int] = []
+    for _ in range(20000):
+        if held and (rng.random() < 0.5 or s.num_free == 0):
+            s.decref(held.pop(rng.randrange(len(held))))
+        else:
+            n = rng.randint(1, min(4, s.num_free))
+            after = rng.choice(held) if held and rng.random() < 0.8 else None
+            got = s.allocate(n, after=after, tail=rng.random() < 0.3)
+            assert len(set(got)) == n and not set(got) & set(held), "a page was handed out twice"
+            held += got
+        assert len(s._free) <= 2 * s.num_free + 1024
+    s.check_invariants()
+    for p in held:
+        s.decref(p)
+    s.check_invariants()
+    assert s.num_free == 200

@@ -118,3 +118,23 @@ def test_random_workload_keeps_ledgers_exact():
     kv.assert_idle()
     kv.reset_prefix_cache()
     assert kv.spaces["full"].num_free == 24
+
+
+def test_a_prompt_prefilled_in_short_chunks_beside_a_decode_gets_one_run_of_pages():
+    """Invariant: a prompt that grows a few tokens per step while another request decodes keeps
+    consecutive page ids (attention reads it in place instead of gathering it every step);
+    the decode's pages come from elsewhere."""
+    kv = manager(pages=64, caching=False)
+    assert kv.allocate("stream", 3)
+    long, n = list(range(120)), 3
+    for start in range(0, len(long), 2):  # 2 prompt tokens and 1 decoded token per step
+        assert kv.allocate("long", start + 2)
+        n += 1
+        assert kv.allocate("stream", n, decode=True)
+        kv.check_invariants()
+    pages = kv.page_table("long", "full")
+    assert len(pages) == 30 and pages == list(range(pages[0], pages[0] + 30)), pages
+    assert not set(pages) & set(kv.page_table("stream", "full"))
+    kv.free("long")
+    kv.free("stream")
+    kv.assert_idle()

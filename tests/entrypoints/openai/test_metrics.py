@@ -113,3 +113,40 @@ def test_host_tier_metrics_move_with_a_load_back(tiny_ckpt):
         other.engine.check_idle()
     finally:
         other.stop()
+
+
+def test_gc_pauses_are_timed_while_the_app_runs(srv):
+    """Invariant: every garbage collection while the server runs is counted and timed on
+    /metrics (a full one can stall every stream); the monitor leaves gc.callbacks on cleanup."""
+    import gc
+
+    before = scrape(srv)
+    gc.collect()  # a full collection, on this thread: the callback is process-wide
+    after = scrape(srv)
+    full = value(after, "hybridkv:gc_collections_total", generation="2") - value(
+        before, "hybridkv:gc_collections_total", generation="2")
+    assert full >= 1
+    paused = value(after, "hybridkv:gc_pause_seconds_total", generation="2") - value(
+        before, "hybridkv:gc_pause_seconds_total", generation="2")
+    assert paused > 0
+    assert value(after, "hybridkv:gc_longest_pause_seconds") >= paused / full
+
+
+def test_gc_monitor_uninstalls_and_freeze_moves_the_heap_out_of_collections():
+    import gc
+
+    from hybridkv.entrypoints.openai.gc_pauses import GcPauses, freeze_startup_heap
+
+    pauses = GcPauses()
+    pauses.install()
+    pauses.install()  # idempotent: one callback
+    gc.collect()
+    assert pauses.collections[2] == 1
+    pauses.uninstall()
+    gc.collect()
+    assert pauses.collections[2] == 1 and pauses._callback not in gc.callbacks
+    try:
+        frozen = freeze_startup_heap()
+        assert frozen > 1000 and len(gc.get_objects(generation=2)) < frozen
+    finally:
+        gc.unfreeze()
