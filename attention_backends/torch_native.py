@@ -18,9 +18,10 @@ never by batch x longest context:
     keys gathered at once) through the CPU flash-attention kernel, which returns each block's
     log-sum-exp, and the blocks are merged by it. A KV head's query heads are folded into its
     query rows, so one call reads each KV head once (no K/V repeat for GQA). Keys whose slots
-    are consecutive (runs of pages off the FIFO free list) are read in place, as a view of the
-    cache, not gathered; only the key columns a query may not see are masked (the chunk's own
-    tail and the window's edge, at most a tile's width each), never the whole prefix.
+    are consecutive (a request's pages are allocated in runs: block_manager/block_space.py) are
+    read in place, as a view of the cache, not gathered; only the key columns a query may not
+    see are masked (the chunk's own tail and the window's edge, at most a tile's width each),
+    never the whole prefix.
 """
 from __future__ import annotations
 

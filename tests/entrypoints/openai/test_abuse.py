@@ -29,19 +29,20 @@ import pytest
 from benchmarks import soak
 
 # Targets (issue 9): stream gaps 0.5 s, /health 100 ms, on the 2-core Zen 3 machine. Measured there
-# (standalone run of this test, demo model, float32): quiet gap 0.09 s; under abuse p99 0.78 s,
-# longest 1.06 s (both late in the 8k-token prompt), /health worst 20 ms. The engine alone meets
-# the gap target on the same workload (benchmark-style run of LLMEngine with a stream beside the
-# 8k prompt: steps p50 0.245 s, p99 0.31 s, longest 0.35 s); the server's extra is CPU contention
-# on 2 cores (event loop, this test's probe threads and the two torch threads). So the bounds
-# below are the measured figures with some room -- the 0.5 s target is not met through the server.
-# A step cannot be cheaper than the smallest prefill chunk at 8k context, and that floor scales
+# (standalone runs of this test, demo model, float32), quiet gap 0.09 s at the time:
+#   before prompts kept their pages in one run: p99 0.78 s, longest 1.06 s (late in the 8k prompt);
+#   since (2026-12-02, two runs on a machine 1.61x / 1.43x slower than that quiet gap): p99 0.39 /
+#   0.44 s, longest 0.80 / 0.51 s, one gap over 0.5 s in 1,744 / 1,615; /health worst 38 / 16 ms.
+# The long gaps are the floor steps late in the 8k-token prompt (4 prompt tokens over 7-8k keys
+# plus the stream's decode), which through the server also share 2 cores with the event loop
+# and this test's probe threads. A step cannot be cheaper than that floor, and the floor scales
 # with the machine, so the gap bounds are scaled by how much slower this machine's quiet gap is
 # than the reference's (measured in the same sitting before any abuse; never scaled below 1).
+# The bounds keep room for a noisy VM (its speed moved 1.7x within an hour here).
 # /health does no model work and is not scaled.
 REFERENCE_QUIET_GAP_S = 0.09
-STREAM_GAP_P99_BOUND_S = 1.0
-STREAM_GAP_BOUND_S = 2.0
+STREAM_GAP_P99_BOUND_S = 0.55
+STREAM_GAP_BOUND_S = 1.2
 HEALTH_BOUND_S = 0.25
 MAX_QUEUED = 300
 
@@ -224,6 +225,11 @@ def test_one_client_cannot_stall_the_others():
             ts = [x for x in stream.times if phases[a] <= x < phases[b]]
             g = max((q - p for p, q in zip(ts, ts[1:])), default=0.0)
             print(f"{a}: {phases[b] - phases[a]:.1f} s, {len(ts)} stream tokens, longest gap {g:.3f} s")
+        m = srv.metrics()
+        gc_runs = {k: v for k, v in m.items() if k.startswith("hybridkv:gc_collections_total")}
+        full_gcs = sum(v for k, v in gc_runs.items() if 'generation="2"' in k)
+        print(f"server: {sum(gc_runs.values()):.0f} garbage collections ({full_gcs:.0f} full), longest pause "
+              f"{_metric(m, 'hybridkv:gc_longest_pause_seconds') * 1000:.0f} ms")
         print(f"stream: quiet gap {quiet:.3f} s (machine {slowdown:.2f}x the reference's); under abuse longest "
               f"gap {gap:.3f} s, p99 {p99:.3f} s, {sum(g > 0.5 for g in gaps)} gaps over 0.5 s, "
               f"over {len(stream.times)} tokens; /health worst "
