@@ -20,6 +20,7 @@ import time
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.block_manager.block_space import BlockSpace
+from hybridkv.model_executor.cpu_features import cpu_features
 
 
 def main() -> None:
@@ -32,10 +33,7 @@ def main() -> None:
         allocate = BlockSpace.allocate
         BlockSpace.allocate = lambda self, n, after=None, tail=False: allocate(self, n)
 
-    info = dict(ln.split(":", 1) for ln in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines() if ":" in ln)
-    info = {k.strip(): v.strip() for k, v in info.items()}
-    cpu = (f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model {info.get('model', '?')}, "
-           f"{'AVX-512' if 'avx512f' in info.get('flags', '') else 'AVX2' if 'avx2' in info.get('flags', '') else 'no AVX2'})")
+    cpu = cpu_features().describe()
     llm = LLM(max_model_len=max(8192, args.prompt_tokens + 64), target_step_seconds=args.target_step_seconds)
     engine = llm.engine
     engine.add_request("stream", {"prompt_token_ids": [100, 200, 300, 400]},
