@@ -23,16 +23,22 @@ from hybridkv.block_manager.block_space import BlockSpace
 from hybridkv.model_executor.cpu_features import cpu_features
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-tokens", type=int, default=8000)
     ap.add_argument("--target-step-seconds", type=float, default=0.25)
     ap.add_argument("--ignore-page-runs", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    allocate = BlockSpace.allocate
     if args.ignore_page_runs:
-        allocate = BlockSpace.allocate
         BlockSpace.allocate = lambda self, n, after=None, tail=False: allocate(self, n)
+    try:
+        return _run(args)
+    finally:
+        BlockSpace.allocate = allocate
 
+
+def _run(args: argparse.Namespace) -> int:
     cpu = cpu_features().describe()
     llm = LLM(max_model_len=max(8192, args.prompt_tokens + 64), target_step_seconds=args.target_step_seconds)
     engine = llm.engine
@@ -55,6 +61,8 @@ def main() -> None:
         engine.step()
         steps.append((before, req.num_computed_tokens - before, time.perf_counter() - t))
     total = time.perf_counter() - t0
+    engine.abort_request("stream")
+    engine.kv.assert_idle()  # every page free or cached once both requests are gone
 
     print(f"CPU: {cpu}; page runs {'ignored' if args.ignore_page_runs else 'kept'}; "
           f"target {args.target_step_seconds} s")
@@ -65,7 +73,8 @@ def main() -> None:
             print(f"{lo:>5}-{lo + 1000:<6} {len(band):>6} {statistics.median(s[1] for s in band):>9.0f} "
                   f"{statistics.median(s[2] for s in band):>8.3f}s {max(s[2] for s in band):>7.3f}s")
     print(f"RESULT prompt_seconds={total:.1f} steps={len(steps)} longest_step={max(s[2] for s in steps):.3f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
