@@ -91,8 +91,7 @@ def build(layout, cached_tokens: int, running: int, steps: int):
     windows = runner.windows
 
     def metadata(model_input):
-        items = sorted(model_input.sequences, key=lambda s: s.end - s.start != 1)
-        seqs = ModelRunner.step_sequences(runner, items)
+        seqs = ModelRunner.step_sequences(runner, ModelRunner.decodes_first(model_input.sequences))
         if hybrid is not None:
             return build_hybrid_metadata(seqs, hybrid)
         return build_attention_metadata(seqs, windows, P)

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from types import MappingProxyType
+from typing import Hashable, Mapping, Sequence
 
 from hybridkv.block_manager.block_space import BlockSpace
 from hybridkv.block_manager.block_table import BlockTable
@@ -131,6 +132,9 @@ class KVCacheManager:
         self._swapped: dict[str, SwappedTail] = {}  # request id -> its partial page on the host
         self.prefix_hits_host = 0  # prompt tokens served by a load-back from the host
         self._requests: dict[str, RequestPages] = {}
+        # Read-only view for the scheduler's per-request hot loops: a step whose token count is
+        # below a request's grow_at / commit_at skips the allocate / commit call altogether.
+        self.request_pages: Mapping[str, RequestPages] = MappingProxyType(self._requests)
         # Counters for metrics (tokens).
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -254,14 +258,18 @@ class KVCacheManager:
         needs = {
             name: self.specs[name].pages_for(num_tokens, self.page_size) - current[name] for name in self.spaces
         }
-        loads = hit.loads if hit_pages is not None else {}
-        tail = hit.tail if hit_pages is not None else None
-        if tail is not None:  # its page per space is loaded like a hit's, not allocated as new
-            needs = {n: k - (n in tail.host_pages) for n, k in needs.items()}
-        protected = self._newly_protected(hit, hit_pages) if hit_pages is not None else None
-        extra = {n: len(loads.get(n, ())) + (tail is not None and n in tail.host_pages) for n in needs}
-        if not self.can_allocate({n: needs[n] + extra[n] for n in needs}, protected):
-            return False
+        if hit_pages is None:  # a running request grows (a decode's page crossing, a prefill chunk)
+            loads, tail, extra = {}, None, dict.fromkeys(needs, 0)
+            if not self.can_allocate(needs):
+                return False
+        else:
+            loads, tail = hit.loads, hit.tail
+            if tail is not None:  # its page per space is loaded like a hit's, not allocated as new
+                needs = {n: k - (n in tail.host_pages) for n, k in needs.items()}
+            protected = self._newly_protected(hit, hit_pages)
+            extra = {n: len(loads.get(n, ())) + (tail is not None and n in tail.host_pages) for n in needs}
+            if not self.can_allocate({n: needs[n] + extra[n] for n in needs}, protected):
+                return False
         if req is None:
             req = RequestPages(
                 tables={name: [] for name in self.spaces}, row=self._add_row(),
@@ -437,6 +445,7 @@ class KVCacheManager:
             req.namespace,
             start=req.anchor,
             priority=req.priority,
+            lock_follows=True,  # _relock below moves the lock onto the new nodes
         )
         for name, dups in res.duplicates.items():
             table, space = req.tables[name], self.spaces[name]
@@ -524,8 +533,7 @@ class KVCacheManager:
 
     def rows_of(self, request_ids: list[str]) -> list[int]:
         """row_of for a step's requests at once (one call per step, not per request)."""
-        reqs = self._requests
-        return [reqs[r].row for r in request_ids]
+        return [p.row for p in map(self._requests.__getitem__, request_ids)]
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests

@@ -124,7 +124,8 @@ class InsertResult:
     """last_node: the node of the last inserted page (the request's new lock anchor).
     duplicates: space -> [(page index, the tree's page)] where the request computed a page the
     tree already holds; the caller swaps its table entry to the tree's page and drops its own.
-    adopted: space -> page indices whose tombstone was healed with the request's page."""
+    adopted: space -> page indices whose tombstone was healed with the request's page.
+    Both name only the spaces that have some (a decode's page crossing has none)."""
 
     last_node: ShadowNode
     num_new_nodes: int
@@ -394,6 +395,7 @@ class ShadowIndex:
         namespace: Hashable = None,
         start: ShadowNode | None = None,
         priority: int = 0,
+        lock_follows: bool = False,
     ) -> InsertResult:
         """Record a request's whole pages under token_ids (pages[s][i] holds page i in space s;
         NULL_PAGE = the request already released it, below its window).
@@ -405,23 +407,30 @@ class ShadowIndex:
         keeps its reference, so nothing is freed twice); new nodes take the request's pages,
         with a tombstone wherever the request already released the windowed page (never a live
         shadow for a page the request no longer owns).
+
+        lock_follows: the caller moves its lock down to the new last node right after (the KV
+        manager does, every time): new nodes then skip their eviction-queue placement here,
+        which the lock's own placement would undo at once (a decode step's page crossing would
+        otherwise add each new node to the unlocked queue and take it out again).
         """
-        num_pages = min(len(token_ids) // self.page_size, min(len(t) for t in pages.values()))
+        num_pages = min(len(token_ids) // self.page_size, *map(len, pages.values()))
         node = start if start is not None else self._root(namespace, create=True)
-        duplicates: dict[str, list[tuple[int, int]]] = {s: [] for s in pages}
-        adopted: dict[str, list[int]] = {s: [] for s in pages}
-        walked: list[ShadowNode] = []
+        duplicates: dict[str, list[tuple[int, int]]] = {}
+        adopted: dict[str, list[int]] = {}
+        windows, tier = self.windows, self.tier
+        walked: list[ShadowNode] = []  # nodes to touch (placed in their queues at the back)
+        fresh: list[ShadowNode] = []  # new nodes the caller's lock places (lock_follows)
         new = 0
         for i in range(node.depth, num_pages):
             key = self._key(token_ids, i)
             child = node.children.get(key)
             if child is None:
-                child = ShadowNode(key=key, parent=node, depth=node.depth + 1, priority=priority, seq=next(self._seq))
+                child = ShadowNode(key, node, node.depth + 1, priority=priority, seq=next(self._seq),
+                                   tail_refs=dict.fromkeys(windows, 0))
                 if self.chain_seed is not None:
                     child.chain = next_chain(node.chain, key)
-                child.tail_refs = {s: 0 for s in self.windows}
-                if self.tier is not None:
-                    child.host = {s: None for s in self.spaces}
+                if tier is not None:
+                    child.host = dict.fromkeys(self.spaces)
                 for s, table in pages.items():
                     page = table[i]
                     if page == NULL_PAGE:
@@ -434,14 +443,16 @@ class ShadowIndex:
                     self.evictable[s] += 1  # a fresh node carries no lock yet
                 node.children[key] = child
                 self._nodes.add(child)
-                self._update_tail_point(child)
-                self._update_tail_point(node)
-                if self.tier is not None:
+                if windows:
+                    self._update_tail_point(child)
+                    self._update_tail_point(node)
+                if tier is not None:
                     if not node.is_root:
                         self._sync(node)  # it has a child now: no longer a host-eviction leaf
                     if self.tier.write_policy == "write_through":
                         self.write_node(child)
                 new += 1
+                (fresh if lock_follows else walked).append(child)
             else:
                 child.hit_count += 1
                 child.priority = max(child.priority, priority)
@@ -453,15 +464,19 @@ class ShadowIndex:
                         self.spaces[s].add_to_index(mine)
                         child.shadows[s] = mine
                         self._ledger_add(child, s, +1)
-                        adopted[s].append(i)
+                        adopted.setdefault(s, []).append(i)
                         if self.tier is not None:
                             self._sync(child)
                     else:
-                        duplicates[s].append((i, page))
-            walked.append(child)
+                        duplicates.setdefault(s, []).append((i, page))
+                walked.append(child)
             node = child
         if walked:
             self._touch(walked, hit=False)
+        if fresh:
+            now = next(self._clock)
+            for nd in fresh:
+                nd.last_access = now
         return InsertResult(node, new, duplicates, adopted)
 
     def mark_boundary(self, node: ShadowNode) -> None:

@@ -142,34 +142,42 @@ class Scheduler:
         if self.storage is not None:
             self.storage.poll()
 
+        # Hot loop: one pass per running request. A decode that stays inside its last page (the
+        # common step) skips the allocate call: its pages' grow_at says there is nothing to do.
         i = 0
-        allocate, scheduled = self.kv.allocate, out.scheduled  # hot loop: one pass per running request
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            start, total = req.num_computed_tokens, len(req.all_token_ids)
-            n = min(total - start, budget)
-            if self.timer is not None and (total - start > 1 or not req.output_token_ids):  # not a decode
+        running, timer, pages_of = self.running, self.timer, self.kv.request_pages
+        allocate, scheduled = self.kv.allocate, out.scheduled
+        while i < len(running) and budget > 0:
+            req = running[i]
+            toks = req.all_token_ids
+            start, total = req.num_computed_tokens, len(toks)
+            n = total - start
+            if n > budget:
+                n = budget
+            if timer is not None and (total - start > 1 or not req.output_token_ids):  # not a decode
                 n = self._price_chunk(start, n, total, out)
                 if n == 0:  # over this step's latency budget: it continues next step
                     i += 1
                     continue
-            while not allocate(req.request_id, start + n, decode=n == 1 and bool(req.output_token_ids)):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            else:
-                toks = req.all_token_ids  # ScheduledRequest.of, inlined: this runs per request per step
-                end = start + n
-                scheduled.append(ScheduledRequest(
-                    req.request_id, toks[start:end], start, end, end == total, req.params, req.generator,
-                    req.prompt_token_ids, req.output_token_ids, req,
-                ))
-                budget -= n
-                i += 1
-                continue
-            break  # req itself was preempted; everything after it too
+            end = start + n
+            pages = pages_of.get(req.request_id)
+            if pages is None or end >= pages.grow_at:
+                preempted_self = False
+                while not allocate(req.request_id, end, decode=n == 1 and bool(req.output_token_ids)):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is req:
+                        preempted_self = True
+                        break
+                if preempted_self:
+                    break  # everything after it was preempted too
+            scheduled.append(ScheduledRequest(  # ScheduledRequest.of, inlined
+                req.request_id, toks[start:end], start, end, end == total, req.params, req.generator,
+                req.prompt_token_ids, req.output_token_ids, req,
+            ))
+            budget -= n
+            i += 1
 
         # Admit waiting requests only when nobody had to be preempted this step.
         if self.waiting and budget > 0 and not out.preempted:
@@ -284,12 +292,14 @@ class Scheduler:
     # -- after the forward -------------------------------------------------------------------------
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance computed counts and publish newly completed pages to the prefix cache."""
-        commit = self.kv.commit
+        commit, pages_of = self.kv.commit, self.kv.request_pages
         for s in out.scheduled:
             req = s.request
             end = req.num_computed_tokens = s.end
             # The prompt's end is marked as a likely match point: its siblings/retries match there.
             prompt_done = not req.output_token_ids and end == len(req.prompt_token_ids)
+            if not prompt_done and end < pages_of[req.request_id].commit_at:
+                continue  # no page completed, no window moved past a page (KVCacheManager.commit)
             commit(req.request_id, req.all_token_ids, end, prompt_done)
 
     def finish(self, req: Request, status: RequestStatus) -> None:

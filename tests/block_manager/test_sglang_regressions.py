@@ -92,11 +92,11 @@ def scenario_tombstone_heal_27586(kv: KVCacheManager) -> None:
 _REAL_INSERT = ShadowIndex.insert
 
 
-def _broken_insert(self: ShadowIndex, token_ids, pages, namespace=None, start=None, priority=0):
+def _broken_insert(self: ShadowIndex, token_ids, pages, namespace=None, start=None, priority=0, lock_follows=False):
     """Heals a tombstone and then drops the request's reference to the adopted page as if the
     tree had taken it over, while the request's table still lists it: the request frees it a
     second time when it finishes."""
-    res = _REAL_INSERT(self, token_ids, pages, namespace, start, priority)
+    res = _REAL_INSERT(self, token_ids, pages, namespace, start, priority, lock_follows)
     for s, idxs in res.adopted.items():
         for i in idxs:
             self.spaces[s].decref(pages[s][i])
