@@ -8,6 +8,8 @@ Invariants checked:
   computed, and the host tokens are exactly the boundary's;
 - swap preemption under a tiny device budget gives the unconstrained run's outputs, and the
   resumed requests recompute no whole page the host still held;
+- a device page queued for the host and handed out again in the same scheduling pass (a
+  decode's new page is the one an eviction just freed) is copied before the forward writes it;
 - every test ends with all device pages free or cached, no lock, no copy left unexecuted, and
   the host pools' ledgers equal to the index's host shadows (conftest's idle check).
 """
@@ -411,3 +413,55 @@ def test_a_reader_that_does_not_wait_reads_stale_pages(tiny_ckpt, monkeypatch):
     out = run_one(llm, prompt, 4)
     assert out.metrics["prompt_tokens_from_host"] == 96
     assert sampled_logprobs(out) != sampled_logprobs(want), "a reader that skipped its wait still read the right pages"
+
+
+def test_a_device_page_queued_for_the_host_and_reused_in_the_same_pass_is_copied_first(tiny_ckpt):
+    """Decodes take their new page from the back of the free list, which is where the page an
+    eviction just freed lands. Under write_back, a page crossing therefore often evicts a cached
+    node (its device->host copy queued, its device page freed) and takes that very page in the
+    same scheduling pass; the forward then writes the decode's K/V into it. TierTransfers'
+    contract (every copy before the next forward) must hold for that interleaving: the run sees
+    it happen, its outputs equal the unconstrained run's, and the demoted prefixes, served back
+    from the host, still give the reference outputs (their host copies hold the old content)."""
+    path = tiny_ckpt("llama")
+    vocab = 300
+    seeds = [_prompt(48, vocab, seed=60 + i) for i in range(6)]  # cached, then demoted
+    decoders = [_prompt(40, vocab, seed=80 + i) for i in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    big = LLM(path, dtype="float32", max_model_len=256)
+    want = {tuple(p): o.outputs[0].token_ids
+            for p, o in zip(seeds + decoders,
+                            big.generate([{"prompt_token_ids": p} for p in seeds + decoders], params, use_tqdm=False))}
+    page_bytes = big.engine.kv.specs["full"].bytes_per_page(16)
+    llm = LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=24 * page_bytes,
+              enable_hierarchical_cache=True, hicache_ratio=8.0, hicache_write_policy="write_back")
+    kv = llm.engine.kv
+    space = kv.spaces["full"]
+    taken: set[int] = set()  # device pages handed out since the last flush
+    reused: list[int] = []  # pages both queued as a copy's source and handed out in one pass
+    allocate, take = space.allocate, kv.take_transfers
+
+    def spy_allocate(n, *args, **kwargs):
+        pages = allocate(n, *args, **kwargs)
+        taken.update(pages)
+        return pages
+
+    def spy_take():
+        transfers = take()
+        reused.extend(p for p in transfers.to_host.get("full", {}).values() if p in taken)
+        taken.clear()
+        return transfers
+
+    space.allocate, kv.take_transfers = spy_allocate, spy_take
+    for p in seeds:  # one at a time: each leaves its pages cached and unlocked
+        assert llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids == want[tuple(p)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in decoders], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want[tuple(p)] for p in decoders]
+    assert reused, "no page was queued for the host and handed out again in the same pass: the scenario did not happen"
+    from_host = 0
+    for p in seeds:  # demoted prefixes come back from the host with their old content
+        out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == want[tuple(p)], "a host copy of a reused device page was corrupted"
+        from_host += out.metrics["prompt_tokens_from_host"]
+    assert from_host > 0, "no prefix was served from the host"
+    space.allocate, kv.take_transfers = allocate, take
