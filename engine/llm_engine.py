@@ -467,9 +467,11 @@ class LLMEngine:
             self.tier_stats["transfer_seconds"] += self.runner.host_cache.load_seconds - self._load_seconds_seen
             self._load_seconds_seen = self.runner.host_cache.load_seconds
         self.scheduler.update_after_step(sched)
-        self._flush_tier_transfers()  # write-through of the pages this step completed
         self.stats["steps"] += 1
         touched = self._process(sched, result)
+        # Write-through of the pages this step completed, and of those that requests finishing
+        # now published as they left (a decode's last pages are published at retire).
+        self._flush_tier_transfers()
         outputs = [o for o in (self._make_output(g) for g in touched) if o is not None]
         # The whole step, as a stream sees it between two tokens (the latency target's unit).
         self.scheduler.observe_step(sched, time.perf_counter() - t0)

@@ -138,3 +138,71 @@ def test_a_prompt_prefilled_in_short_chunks_beside_a_decode_gets_one_run_of_page
     kv.free("long")
     kv.free("stream")
     kv.assert_idle()
+
+
+def test_a_decoding_request_publishes_its_pages_in_batches_and_all_of_them_at_retire():
+    """Invariant: a prompt is matchable as soon as it is computed; a decoding request's whole
+    pages join the index publish_pages at a time (a page crossing between batches costs only its
+    allocation) and every pending page at retire."""
+    kv = KVCacheManager([SpaceSpec("full", bytes_per_slot=8)], {"full": 32}, P, True, decode_publish_tokens=3 * P)
+    assert kv.publish_pages == 3
+    toks = list(range(100, 109))  # a 9-token prompt: 2 whole pages
+    assert kv.allocate("a", len(toks))
+    kv.commit("a", toks, len(toks), prompt_done=True)
+    assert kv.match_prefix(toks + [0]).num_tokens == 8  # the prompt at once
+    published = []
+    for t in range(200, 220):  # decode 20 tokens, one per step
+        toks.append(t)
+        assert kv.allocate("a", len(toks), decode=True)
+        kv.commit("a", toks, len(toks))
+        kv.check_invariants()
+        published.append(kv.match_prefix(toks + [0], touch=False).num_tokens)
+    # Pages complete at 12, 16, 20, ... tokens and are published 3 at a time: at 20 and at 32.
+    assert set(published) == {8, 20} and published.index(20) == 20 - 9 - 1, published
+    assert kv.request_pages["a"].commit_at == 32, "the next batch is due at 32 tokens"
+    kv.retire("a", toks, len(toks), turn_done=True)
+    assert kv.match_prefix(toks + [0]).num_tokens == 28, "retire publishes every pending whole page"
+    kv.assert_idle()
+
+
+def test_a_windowed_layout_publishes_every_decoded_page_so_the_next_turn_hits_in_full():
+    """Invariant: with a windowed space, decoded pages are published one by one: a page batched
+    past its window would only be a tombstone and cut the next turn's hit short."""
+    specs = [SpaceSpec("full", bytes_per_slot=8), SpaceSpec("swa", bytes_per_slot=8, window=6)]
+    kv = KVCacheManager(specs, {"full": 32, "swa": 32}, P, True, decode_publish_tokens=3 * P)
+    assert kv.publish_pages == 1
+    toks = list(range(100, 109))
+    assert kv.allocate("a", len(toks))
+    kv.commit("a", toks, len(toks), prompt_done=True)
+    for t in range(200, 220):
+        toks.append(t)
+        assert kv.allocate("a", len(toks), decode=True)
+        kv.commit("a", toks, len(toks))
+        kv.check_invariants()
+    kv.retire("a", toks, len(toks), turn_done=True)
+    assert kv.match_prefix(toks + [0]).num_tokens == 28
+    kv.assert_idle()
+
+
+def test_pages_publish_one_by_one_for_prefill_chunks_and_with_batches_of_one():
+    """Invariant: prefill chunks (no prompt done yet) publish every whole page at once (in-batch
+    groups share a prompt's pages chunk by chunk), and decode_publish_tokens below a page
+    publishes every decoded page, the behaviour before batching."""
+    kv = manager(pages=32)
+    prompt = list(range(1, 21))
+    for end in (5, 10, 15):  # three chunks of a 20-token prompt
+        assert kv.allocate("a", end)
+        kv.commit("a", prompt, end)
+        assert kv.match_prefix(prompt[:end] + [0], touch=False).num_tokens == end // P * P
+    kv.free("a")
+    kv = KVCacheManager([SpaceSpec("full", bytes_per_slot=8)], {"full": 32}, P, True, decode_publish_tokens=1)
+    toks = list(range(1, 6))
+    assert kv.allocate("a", 5)
+    kv.commit("a", toks, 5, prompt_done=True)
+    for t in range(6, 14):
+        toks.append(t)
+        assert kv.allocate("a", len(toks), decode=True)
+        kv.commit("a", toks, len(toks))
+        assert kv.match_prefix(toks + [0], touch=False).num_tokens == len(toks) // P * P
+    kv.free("a")
+    kv.assert_idle()
