@@ -279,10 +279,12 @@ def _decode_tiles(
     # window's start) are patched per key ([N, P]).
     n = seq.shape[0]
     col = np.arange(longest)
-    pidx = item_page[:, None] + col
-    # Flat indices: numpy's take is several times faster than a broadcast 2-D fancy index.
-    flat = seq[:, None] * tab.shape[1] + np.minimum(pidx, tab.shape[1] - 1)
-    page = np.ascontiguousarray(tab).ravel().take(flat).astype(np.int32, copy=False)
+    if not split and window is None:  # every item is a whole sequence from its first page: its row
+        page = tab.take(seq, axis=0)[:, :longest].astype(np.int32)
+    else:
+        # Flat indices: numpy's take is several times faster than a broadcast 2-D fancy index.
+        flat = seq[:, None] * tab.shape[1] + np.minimum(item_page[:, None] + col, tab.shape[1] - 1)
+        page = np.ascontiguousarray(tab).ravel().take(flat).astype(np.int32, copy=False)
     page[col >= item_pages[:, None]] = NULL_PAGE
     # The one per-key add runs in torch (numpy's broadcast over a short last axis is slower).
     slots_t = (torch.from_numpy(page) * P).unsqueeze(-1) + torch.arange(P, dtype=torch.int32)

@@ -126,6 +126,9 @@ class KVCacheManager:
         self.specs = {s.name: s for s in specs}
         self.spaces = {s.name: BlockSpace(s, num_pages[s.name], page_size) for s in specs}
         self.block_tables = {s.name: BlockTable(max_pages_per_request, max_requests) for s in specs}
+        # (name, tokens_per_slot, slots_per_page, space) per space: what the page-count
+        # arithmetic of the hot paths reads.
+        self._layout = [(s.name, s.tokens_per_slot, s.slots_per_page(page_size), self.spaces[s.name]) for s in specs]
         self.enable_prefix_caching = enable_prefix_caching
         self.host_tier = (
             HostTier({s.name: HostPool(s.name, host_pages[s.name]) for s in specs}, hicache_write_policy)
@@ -260,22 +263,19 @@ class KVCacheManager:
         out of the way of the runs that prefill chunks grow.
         """
         req = self._requests.get(request_id)
-        if req is not None and num_tokens < req.grow_at:
-            return True  # the pages are already there (the common decode step)
-        if decode and req is not None:
-            req.decoding = True  # also a request resumed past its prompt (it had no prompt_done)
+        if req is not None:
+            if num_tokens < req.grow_at:
+                return True  # the pages are already there (the common decode step)
+            return self._grow(req, num_tokens, decode)
         hit_pages = None
-        if req is None:
-            current = {name: 0 for name in self.spaces}
-            if hit is not None and hit.nodes:
-                hit_pages = self._hit_pages(hit)
-                current = {name: len(p) for name, p in hit_pages.items()}
-        else:
-            current = {name: len(t) for name, t in req.tables.items()}
+        current = {name: 0 for name in self.spaces}
+        if hit is not None and hit.nodes:
+            hit_pages = self._hit_pages(hit)
+            current = {name: len(p) for name, p in hit_pages.items()}
         needs = {
             name: self.specs[name].pages_for(num_tokens, self.page_size) - current[name] for name in self.spaces
         }
-        if hit_pages is None:  # a running request grows (a decode's page crossing, a prefill chunk)
+        if hit_pages is None:
             loads, tail, extra = {}, None, dict.fromkeys(needs, 0)
             if not self.can_allocate(needs):
                 return False
@@ -287,31 +287,29 @@ class KVCacheManager:
             extra = {n: len(loads.get(n, ())) + (tail is not None and n in tail.host_pages) for n in needs}
             if not self.can_allocate({n: needs[n] + extra[n] for n in needs}, protected):
                 return False
-        if req is None:
-            req = RequestPages(
-                tables={name: [] for name in self.spaces}, row=self._add_row(),
-                namespace=namespace, priority=priority,
-            )
-            self._requests[request_id] = req
-            stale = self._swapped.pop(request_id, None)
-            if stale is not None and stale is not tail:  # its partial page no longer continues a hit
-                for name, h in stale.host_pages.items():
-                    self.host_tier.release(name, h)
-            if hit_pages is not None:
-                # Lock first: the hit's nodes (host-only ones too) are then safe from the
-                # eviction below, on both tiers.
-                for name, pages in hit_pages.items():
-                    space = self.spaces[name]
-                    for page in pages:
-                        if page != NULL_PAGE and page is not None:
-                            space.incref(page)
-                    if self.specs[name].windowed:
-                        req.num_released_pages[name] = pages.count(NULL_PAGE)
-                req.num_inserted_pages = len(hit.nodes)
-                req.anchor = hit.nodes[-1]
-                self._relock(req)
-                if touch_hit:
-                    self.index.touch(hit.nodes)
+        req = RequestPages(
+            tables={name: [] for name in self.spaces}, row=self._add_row(), namespace=namespace, priority=priority,
+        )
+        self._requests[request_id] = req
+        stale = self._swapped.pop(request_id, None)
+        if stale is not None and stale is not tail:  # its partial page no longer continues a hit
+            for name, h in stale.host_pages.items():
+                self.host_tier.release(name, h)
+        if hit_pages is not None:
+            # Lock first: the hit's nodes (host-only ones too) are then safe from the eviction
+            # below, on both tiers.
+            for name, pages in hit_pages.items():
+                space = self.spaces[name]
+                for page in pages:
+                    if page != NULL_PAGE and page is not None:
+                        space.incref(page)
+                if self.specs[name].windowed:
+                    req.num_released_pages[name] = pages.count(NULL_PAGE)
+            req.num_inserted_pages = len(hit.nodes)
+            req.anchor = hit.nodes[-1]
+            self._relock(req)
+            if touch_hit:
+                self.index.touch(hit.nodes)
         for name, n in needs.items():
             short = n + extra[name] - self.spaces[name].num_free
             if short > 0:
@@ -334,13 +332,40 @@ class KVCacheManager:
         for name, n in needs.items():
             if n > 0:
                 table = req.tables[name]
-                after = None if decode or not table else table[-1]
+                after = None if decode or not table else table[-1]  # continue the hit's run
                 self._extend(req, name, self.spaces[name].allocate(n, after=after, tail=decode))
-        req.grow_at = min(
-            (len(req.tables[name]) * spec.slots_per_page(self.page_size) + 1) * spec.tokens_per_slot
-            for name, spec in self.specs.items()
-        )
+        self._set_grow_at(req)
         return True
+
+    def _grow(self, req: RequestPages, num_tokens: int, decode: bool) -> bool:
+        """allocate() for a running request (a decode's page crossing, a prefill chunk): no hit to
+        lock or load, so only the all-or-nothing room check, the eviction of what is short, and
+        the new pages (continuing the run of its last page, or from the free list's back for a
+        decode). A lean loop: at hundreds of running decodes, a dozen of these run every step."""
+        index, grows = self.index, []
+        for name, tokens_per_slot, slots_per_page, space in self._layout:
+            n = -(-(num_tokens // tokens_per_slot) // slots_per_page) - len(req.tables[name])
+            if n > 0:
+                if n > space.num_free + (index.evictable[name] if index is not None else 0):
+                    return False  # nothing evicted, nothing taken
+                grows.append((name, n, space))
+        if decode:
+            req.decoding = True  # also a request resumed past its prompt (it had no prompt_done)
+        for name, n, space in grows:
+            if n > space.num_free:
+                index.evict(name, n - space.num_free)
+            table = req.tables[name]
+            after = None if decode or not table else table[-1]
+            self._extend(req, name, space.allocate(n, after=after, tail=decode))
+        self._set_grow_at(req)
+        return True
+
+    def _set_grow_at(self, req: RequestPages) -> None:
+        """The first token count some space needs a new page for."""
+        req.grow_at = min(
+            (len(req.tables[name]) * slots_per_page + 1) * tokens_per_slot
+            for name, tokens_per_slot, slots_per_page, _ in self._layout
+        )
 
     def _add_row(self) -> int:
         """One row for a new request in every space's BlockTable. The tables are created alike and
