@@ -18,7 +18,10 @@ machine-readable:
     RESULT us_per_step_256_100k=<float> growth_1m_vs_10k=<float>
 (dense layout, 256 running requests; growth = 1M-token figure / 10k-token figure).
 
-    python benchmarks/step_overhead.py [--steps 64] [--quick]
+    python benchmarks/step_overhead.py [--steps 128] [--quick]
+(timed steps per configuration; the default is one whole publication cycle of both layouts: a
+decoding request publishes its pages to the index every KVCacheManager.publish_pages pages, 8 x 16
+tokens dense, 1 x 128 for V4, so a window of fewer steps could miss the batched inserts.)
 (with --running/--caches the RESULT keys keep their names but describe the largest running
 count and the three cache sizes given.)
 """
@@ -160,7 +163,7 @@ def measure(layout, cached: int, running: int, steps: int, deep: bool = False) -
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=128, help="timed steps (128: a whole publication cycle)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="fewer configurations (256 requests only)")
     ap.add_argument("--caches", type=int, nargs=3, default=[10_000, 100_000, 1_000_000], metavar="TOKENS",
