@@ -20,6 +20,8 @@ setup(
     python_requires=">=3.10",
     packages=packages,
     package_dir=package_dir,
+    # The CPU attention kernels' C++ source, compiled on the machine that runs it (first use).
+    package_data={"hybridkv.attention_backends.cpu_kernels": ["*.cpp"]},
     install_requires=[
         # CPU machines: install torch==2.13.0 (CPU build) first; this range never replaces it.
         "torch>=2.4",

@@ -59,6 +59,10 @@ class StepSequences:
     context_lens: list[int]  # tokens in the cache after this step = start + query_len
     block_tables: dict[str, torch.Tensor]
     request_ids: list[str] | None = None  # in the same order (models that keep per-request state)
+    # Build the torch path's decode tiles (per-key slots and masks). False when the backend reads
+    # the block tables in place (the CPU paged kernel, Triton, xformers): the runner sets it from
+    # the backend's needs_decode_tiles, so a step never pays for a plan nobody reads.
+    decode_tiles: bool = True
 
     @classmethod
     def from_page_lists(
@@ -155,6 +159,7 @@ class PrefillSeq:
     # slot of the first): a run is read in place (a view of the cache), never gathered. Pages
     # come off a FIFO free list, so a prompt's pages are mostly consecutive.
     key_runs: list[tuple[int, int, int]] = field(default_factory=list)
+    seq_index: int = -1  # this sequence's row in the step's block tables (kernels read pages in place)
     _blocks: dict = field(default_factory=dict, repr=False)  # key_blocks memo: same for every layer
 
     def key_blocks(self, k0: int, k1: int, chunk: int, min_view: int) -> list[tuple[int, int, int | None]]:
@@ -223,6 +228,15 @@ class AttentionMetadata:
     # This step's host-tier load-backs (model_executor/kv_loads.py: PendingKVLoads), or None:
     # a backend calls kv_loads.wait(k_cache, v_cache) before it reads the cache.
     kv_loads: object | None = None
+
+    @cached_property
+    def decode_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decodes as query groups of one row for the CPU paged kernel (cpu_kernels):
+        group_start [nd + 1], block-table row [nd], position [nd], int32. Built once per step,
+        on first use by any layer."""
+        nd = self.num_decode_tokens
+        rows = torch.arange(nd + 1, dtype=torch.int32)
+        return rows, rows[:nd], (self.context_lens[:nd] - 1).to(torch.int32)
 
     def slot_mappings(self) -> dict[str, torch.Tensor]:
         """Space -> every slot this step writes (the runner's null-page debug check reads it)."""
@@ -330,7 +344,7 @@ def build_space_metadata(
     pages = tab[seq_of_token, np.minimum(positions // page_size, tab.shape[1] - 1)].astype(np.int64)
     slot_mapping = torch.from_numpy(pages * page_size + positions % page_size)  # index_copy_ wants int64
     sm = SpaceAttentionMetadata(slot_mapping, window, block_table=table)
-    if nd:
+    if nd and seqs.decode_tiles:
         sm.decode_tiles, sm.decode_split = _decode_tiles(table[:nd], ctx[:nd], window, page_size, sizes)
     row = nd
     for i in range(nd, len(seqs.query_lens)):
@@ -341,7 +355,7 @@ def build_space_metadata(
             slots = None
         else:
             slots = token_slots(table[i], torch.arange(kstart, c), page_size)
-        sm.prefills.append(PrefillSeq(row, row + q, s, kstart, slots, _slot_runs(slots)))
+        sm.prefills.append(PrefillSeq(row, row + q, s, kstart, slots, _slot_runs(slots), seq_index=i))
         row += q
     return sm
 

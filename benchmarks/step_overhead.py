@@ -4,8 +4,10 @@ Each configuration fills the shadow index with `cached` tokens (conversations of
 that share a 512-token system prompt, as a server's cache looks) in a pool sized like a
 long-running server's: full, so half of the new pages the measured steps need must be evicted
 from the cache. It admits `running` decode requests whose prompts hit that system prompt,
-prefills them (no model: the stub "computes" instantly), then times decode steps: schedule -> the runner's metadata for the step (block
-tables -> slot mappings, decode/prefill tiles) -> a fixed sampled token per request ->
+prefills them (no model: the stub "computes" instantly), then times decode steps: schedule -> the
+runner's metadata for the step (block tables -> slot mappings, prefill tiles, and the decode tiles
+when the attention backend reads them: not when the CPU paged kernel builds on this machine, which
+reads the block tables in place; --decode-tiles forces them) -> a fixed sampled token per request ->
 update_after_step (publish pages, release out-of-window pages, move locks). Allocation runs
 against the real pools, so windowed spaces (DeepSeek-V4's swa/state) evict as in steady state.
 
@@ -36,6 +38,7 @@ import torch
 
 from hybridkv.attention_backends.hybrid_metadata import HybridLayout, build_hybrid_metadata
 from hybridkv.attention_backends.metadata import build_attention_metadata
+from hybridkv.attention_backends.torch_native import TorchNativeAttention
 from hybridkv.block_manager.kv_cache_manager import KVCacheManager
 from hybridkv.block_manager.space_spec import SpaceSpec
 from hybridkv.engine.request import Request
@@ -64,7 +67,7 @@ def v4_layout():
     return specs, 128, HybridLayout(128, 128, 4, 128)
 
 
-def build(layout, cached_tokens: int, running: int, steps: int):
+def build(layout, cached_tokens: int, running: int, steps: int, backend: TorchNativeAttention):
     specs, P, hybrid = layout
     # A long-running server's pool is full of cached pages: half of the pages the measured steps
     # need are free, the other half must be evicted from the cache (so eviction cost is measured).
@@ -90,7 +93,7 @@ def build(layout, cached_tokens: int, running: int, steps: int):
     for r in range(running):
         tail = [60000 + r] * (PROMPT_TAIL + r % 128)  # spread lengths: page crossings every step
         sched.add(Request(f"r{r}", system + tail, SamplingParams(max_tokens=10_000), max_tokens=10_000))
-    runner = SimpleNamespace(kv=kv, windows={s.name: s.window for s in specs})
+    runner = SimpleNamespace(kv=kv, windows={s.name: s.window for s in specs}, backend=backend)
     windows = runner.windows
 
     def metadata(model_input):
@@ -144,8 +147,9 @@ def build_deep(layout, prefix_tokens: int, running: int = 16):
     return kv, sched, step
 
 
-def measure(layout, cached: int, running: int, steps: int, deep: bool = False) -> float:
-    kv, sched, step = build_deep(layout, cached, running) if deep else build(layout, cached, running, steps)
+def measure(layout, cached: int, running: int, steps: int, deep: bool = False,
+            backend: TorchNativeAttention | None = None) -> float:
+    kv, sched, step = build_deep(layout, cached, running) if deep else build(layout, cached, running, steps, backend)
     step()  # warm
     gc.collect()
     gc.disable()
@@ -169,7 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--caches", type=int, nargs=3, default=[10_000, 100_000, 1_000_000], metavar="TOKENS",
                     help="the three cached-token counts (small, middle, large; the smoke test shrinks them)")
     ap.add_argument("--running", type=int, nargs="+", default=None, help="running-request counts (default 1 64 256)")
+    ap.add_argument("--decode-tiles", action="store_true",
+                    help="the torch decode path's per-key tiles even where the CPU paged kernel builds")
     args = ap.parse_args(argv)
+    backend = TorchNativeAttention(cpu_kernels=not args.decode_tiles)
+    plan = "decode tiles (torch path)" if backend.needs_decode_tiles else "no decode tiles (CPU paged kernel)"
+    print(f"decode metadata: {plan}")
     torch.set_num_threads(args.threads)
     caches = args.caches
     runnings = args.running or ([256] if args.quick else [1, 64, 256])
@@ -178,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{name}: µs per step (scheduler + block manager + metadata; model stubbed)")
         print(f"{'running':>8} " + " ".join(f"{c:>12,}" for c in caches) + "   large/small")
         for running in runnings:
-            row = [measure(layout, c, running, args.steps) for c in caches]
+            row = [measure(layout, c, running, args.steps, backend=backend) for c in caches]
             results[(name, running)] = row
             print(f"{running:>8} " + " ".join(f"{v:>12.0f}" for v in row) + f"   {row[2] / row[0]:.2f}x")
     for name, layout in (("dense p16", dense_layout()), ("v4 p128", v4_layout())):

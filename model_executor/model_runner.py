@@ -183,7 +183,8 @@ class ModelRunner:
         for name in self.windows:
             bt = kv.block_tables[name]
             tables[name] = bt.rows(rows, min(pages, bt.width))
-        return StepSequences([s.end - s.start for s in items], ctx, tables, ids)
+        return StepSequences([s.end - s.start for s in items], ctx, tables, ids,
+                             decode_tiles=self.backend.needs_decode_tiles)
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> RunnerOutput:

@@ -21,6 +21,7 @@ from hybridkv.attention_backends.triton_attention.prefill_attention import prefi
 
 class TritonAttention:
     name = "triton"
+    needs_decode_tiles = False  # decodes walk the block tables in the kernel
 
     def __init__(self, num_kv_splits: int = 8, decode_block_n: int = 64, prefill_block_m: int = 64,
                  prefill_block_n: int = 64) -> None:

@@ -43,6 +43,7 @@ def _triton_decode():
 
 class XformersAttention:
     name = "xformers"
+    needs_decode_tiles = False  # decodes walk the block tables in the kernel
 
     def __init__(self, device: torch.device | str = "cuda") -> None:
         self.device = torch.device(device)

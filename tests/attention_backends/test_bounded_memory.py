@@ -16,7 +16,9 @@ The bound (TileSizes defaults, float32):
                    + kv_chunk x 2 x Hkv x D x 4          one key chunk of K and V
     step tensors = 8 x T x H x D x 4 + 4 x B x H x D x 4 (outputs, split-KV accumulators)
 None of these terms depends on the context length; the dense gather this replaces
-([Hkv, B, longest, D] for K alone) would be 272 MB at 32k.
+([Hkv, B, longest, D] for K alone) would be 272 MB at 32k. The CPU paged kernel (cpu_kernels/),
+which reads K/V in place, needs less: per thread, (queries x query heads per KV head) x (256-key
+score block + 2 x D + 2) float32 of scratch, allocated through torch so the profiler counts it.
 """
 from __future__ import annotations
 
@@ -92,13 +94,17 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def test_decode_beside_a_long_context_peaks_independently_of_its_length(one_thread):
-    backend = TorchNativeAttention()
+@pytest.mark.parametrize("decode", ["tiles", "kernel"])
+def test_decode_beside_a_long_context_peaks_independently_of_its_length(one_thread, decode):
+    backend = TorchNativeAttention(cpu_kernels=decode == "kernel")
+    assert backend.needs_decode_tiles == (decode == "tiles"), "the CPU paged kernel did not build here"
     peaks = {}
     for long_len in (8192, 32768):
         seqs, (q, k, v, kc, vc), num_seqs = _step(long_len)
+        seqs.decode_tiles = backend.needs_decode_tiles
         meta = build_attention_metadata(seqs, {"full": None}, P)
-        assert meta.spaces["full"].decode_split  # the long decode is split over several items
+        if decode == "tiles":
+            assert meta.spaces["full"].decode_split  # the long decode is split over several items
         backend.forward(q, k, v, kc, vc, meta, "full", D**-0.5)  # warm-up
         peaks[long_len] = peak_allocated_bytes(lambda: backend.forward(q, k, v, kc, vc, meta, "full", D**-0.5))
         bound = _bound(q.shape[0], num_seqs)

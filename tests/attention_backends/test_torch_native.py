@@ -78,13 +78,25 @@ class _Step:
 SPANS = [(40, 1), (3, 1), (0, 1), (101, 1), (0, 12), (20, 15), (33, 40)]
 
 
+def backend(decode: str) -> TorchNativeAttention:
+    """decode="kernel": the C++ paged kernel reads K/V in place (it must build here: CI installs
+    g++); "tiles": the torch path over the metadata's decode tiles."""
+    be = TorchNativeAttention(cpu_kernels=decode == "kernel")
+    assert (decode == "kernel") == (not be.needs_decode_tiles), "the CPU paged kernel did not build on this machine"
+    return be
+
+
+@pytest.mark.parametrize("decode", ["tiles", "kernel"])
 @pytest.mark.parametrize("pages", ["shuffled", "runs", "consecutive"])
 @pytest.mark.parametrize("window", [None, 7, 30])
 @pytest.mark.parametrize("tiles", [DEFAULT_TILES, SMALL_TILES], ids=["default_tiles", "small_tiles"])
-def test_backend_matches_dense_reference_over_random_pages(window, tiles, pages):
+def test_backend_matches_dense_reference_over_random_pages(window, tiles, pages, decode):
     step = _Step(SPANS, window, seed=0 if window is None else window, pages=pages)
+    be = backend(decode)
+    step.seqs.decode_tiles = be.needs_decode_tiles
     meta = build_attention_metadata(step.seqs, {"full": window}, P, tiles)
-    got = TorchNativeAttention().forward(step.q, step.k, step.v, step.k_cache, step.v_cache, meta, "full", D**-0.5)
+    assert bool(meta.spaces["full"].decode_tiles) == (decode == "tiles"), "tiles built only for the torch path"
+    got = be.forward(step.q, step.k, step.v, step.k_cache, step.v_cache, meta, "full", D**-0.5)
     assert not got.isnan().any(), "a masked key read uninitialised (NaN) pool memory"
     torch.testing.assert_close(got, step.reference(), atol=1e-5, rtol=1e-5)
 
@@ -122,7 +134,7 @@ def test_all_decodes_only_and_one_tile_fast_path():
     step = _Step([(9, 1), (2, 1), (17, 1)], None, seed=2)
     meta = build_attention_metadata(step.seqs, {"full": None}, P)
     assert len(meta.spaces["full"].decode_tiles) == 1 and not meta.spaces["full"].decode_split
-    got = TorchNativeAttention().forward(step.q, step.k, step.v, step.k_cache, step.v_cache, meta, "full", D**-0.5)
+    got = backend("tiles").forward(step.q, step.k, step.v, step.k_cache, step.v_cache, meta, "full", D**-0.5)
     torch.testing.assert_close(got, step.reference(), atol=1e-5, rtol=1e-5)
 
 
@@ -156,3 +168,44 @@ def test_fused_and_plain_key_blocks_agree_including_fully_masked_rows(dtype):
     assert fused[0][..., 2, :].abs().max() == 0 and plain[0][..., 2, :].abs().max() == 0
     ref = torch.softmax((q.float() @ k.float().transpose(-1, -2)) * 0.3 + mask.float(), -1).nan_to_num(0) @ v.float()
     torch.testing.assert_close(plain[0].float(), ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_cpu_paged_kernel_matches_the_tiles_on_long_gqa_decodes(dtype, window):
+    """The C++ kernel against the torch path on what the engine runs: several decodes of
+    different lengths (one far longer than a tile), 3 query heads per KV head, head size 64,
+    page 16, in float32 and bfloat16 (float32 accumulation in both paths), pages in random
+    order with the rest of the pool NaN (it must read only the sequence's own written keys)."""
+    g = torch.Generator().manual_seed(7)
+    P16, hkv, grp, d, pool = 16, 2, 3, 64, 400
+    lens = [1, 17, 300, 2000]
+    k_cache = torch.full((hkv, pool * P16, d), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    k_cache[:, :P16] = 0
+    v_cache[:, :P16] = 0
+    perm = (torch.randperm(pool - 1, generator=g) + 1).tolist()
+    tables = []
+    for n in lens:
+        pages = [perm.pop() for _ in range(-(-n // P16))]
+        for t in range(window_start(n - 1, window), n):
+            slot = pages[t // P16] * P16 + t % P16
+            k_cache[:, slot] = torch.randn(hkv, d, generator=g).to(dtype)
+            v_cache[:, slot] = torch.randn(hkv, d, generator=g).to(dtype)
+        for i in range(window_start(n - 1, window) // P16):
+            pages[i] = NULL_PAGE
+        tables.append(pages)
+    q = torch.randn(len(lens), hkv * grp, d, generator=g).to(dtype)
+    outs = {}
+    for decode in ("tiles", "kernel"):
+        be = backend(decode)
+        seqs = StepSequences.from_page_lists([1] * len(lens), lens, {"full": tables})
+        seqs.decode_tiles = be.needs_decode_tiles
+        meta = build_attention_metadata(seqs, {"full": window}, P16)
+        # The new keys were already written above: forward writes them again to the same slots.
+        k_new = torch.stack([k_cache[:, tables[i][(n - 1) // P16] * P16 + (n - 1) % P16] for i, n in enumerate(lens)])
+        v_new = torch.stack([v_cache[:, tables[i][(n - 1) // P16] * P16 + (n - 1) % P16] for i, n in enumerate(lens)])
+        outs[decode] = be.forward(q, k_new, v_new, k_cache, v_cache, meta, "full", d**-0.5)
+    assert not outs["kernel"].float().isnan().any(), "the kernel read a key outside the sequence's window"
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs["kernel"].float(), outs["tiles"].float(), atol=tol, rtol=tol)

@@ -1,0 +1,211 @@
+// Paged attention for short query groups on the CPU, reading K/V in place through the block table.
+//
+// A *group* is a run of query rows of one sequence at consecutive positions (a decode is a group
+// of one; a short prefill chunk after a prefix is a group of a few). Work items are (group, KV
+// head); each reads the keys and values of its KV head once for all the group's query rows and
+// all the query heads folded under that KV head (GQA), straight from the cache pages named by the
+// block-table row: no gather into a temporary, no per-key slot list from the host.
+//
+// Each query row reads positions [window_start(pos), pos] (window < 0: from 0); a key it may not
+// see gets no weight. Keys are read only inside the group's own range [window_start(first row),
+// last row's position], so unwritten slots after the query and pages released below the window
+// are never touched.
+//
+// Per work item, blocks of kBlock keys: their scores (float32), an online-softmax update of the
+// running maximum and sum, then the weighted sum of their values. Scratch per thread: rows x
+// kBlock scores and rows x D accumulators (rows = the group's queries x query heads per KV head),
+// independent of the context length.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace {
+
+constexpr int64_t kBlock = 256;  // keys per online-softmax block: the scratch is rows x kBlock floats
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+// exp(x) for x <= 0 (scores minus their row maximum), in plain arithmetic so that the loop over
+// a row vectorizes: Cephes' expf (range reduction to [-ln2/2, ln2/2], degree-5 polynomial, 2^n
+// from the exponent bits), relative error ~1e-7 like libm's; x = -inf (a masked key) gives 0.
+inline float exp_nonpositive(float x) {
+  const float lo = -87.3f;
+  const bool masked = !(x >= lo);  // also -inf and NaN
+  const float xc = masked ? lo : x;
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  float r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  const float r2 = r * r;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r2 + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return masked ? 0.f : p * scale;
+}
+
+template <typename scalar_t>
+inline float dot(const float* __restrict__ a, const scalar_t* __restrict__ b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < n; ++d) s += a[d] * to_float(b[d]);
+  return s;
+}
+
+template <typename scalar_t>
+inline void axpy(float* __restrict__ acc, float p, const scalar_t* __restrict__ v, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) acc[d] += p * to_float(v[d]);
+}
+
+template <typename scalar_t>
+void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+         const torch::Tensor& block_table, const torch::Tensor& group_start, const torch::Tensor& group_row,
+         const torch::Tensor& positions, int64_t page_size, int64_t window, double scale) {
+  const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(0);
+  const int64_t grp = H / Hkv;
+  const int64_t G = group_row.size(0);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const int64_t kh = k_cache.stride(0), ks = k_cache.stride(1);
+  const int64_t vh = v_cache.stride(0), vs = v_cache.stride(1);
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int64_t bt_stride = block_table.stride(0), bt_width = block_table.size(1);
+  const int32_t* gs = group_start.data_ptr<int32_t>();
+  const int32_t* gr = group_row.data_ptr<int32_t>();
+  const int32_t* pos = positions.data_ptr<int32_t>();
+  const float fscale = static_cast<float>(scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  // Scratch, one slice per thread, allocated through torch (so allocation profilers see it):
+  // queries, scores of one key block, accumulators, running max and sum, for the largest group.
+  int64_t max_rows = 0;
+  for (int64_t g = 0; g < G; ++g) max_rows = std::max<int64_t>(max_rows, (gs[g + 1] - gs[g]) * grp);
+  const int64_t per_thread = max_rows * (kBlock + 2 * D + 2);
+  auto scratch = torch::empty({at::get_num_threads(), per_thread}, q.options().dtype(torch::kFloat32));
+  float* scratch_base = scratch.data_ptr<float>();
+
+  at::parallel_for(0, G * Hkv, 1, [&](int64_t begin, int64_t end) {
+    float* mine = scratch_base + at::get_thread_num() * per_thread;
+    float* qf = mine;
+    float* scores = qf + max_rows * D;
+    float* acc = scores + max_rows * kBlock;
+    float* m = acc + max_rows * D;
+    float* l = m + max_rows;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / Hkv, h = item % Hkv;
+      const int64_t r0 = gs[g], r1 = gs[g + 1];
+      const int64_t nr = (r1 - r0) * grp;  // score rows: query rows x query heads of this KV head
+      const int64_t first = window > 0 ? std::max<int64_t>(0, pos[r0] - window + 1) : 0;
+      const int64_t last = pos[r1 - 1];  // positions grow within a group
+      const int32_t* row_pages = bt + gr[g] * bt_stride;
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t j = 0; j < grp; ++j) {
+          const scalar_t* src = qp + (r * H + h * grp + j) * D;
+          float* dst = qf + ((r - r0) * grp + j) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * fscale;
+        }
+      // Keys in blocks of kBlock with an online softmax (running max m and sum l per row), so
+      // the scratch is rows x kBlock whatever the context length.
+      std::fill(m, m + nr, neg_inf);
+      std::fill(l, l + nr, 0.f);
+      std::fill(acc, acc + nr * D, 0.f);
+      for (int64_t b0 = first; b0 <= last; b0 += kBlock) {
+        const int64_t bl = std::min<int64_t>(kBlock, last - b0 + 1);
+        std::fill(scores, scores + nr * kBlock, neg_inf);
+        // Scores, key by key through the pages (each key row read once for all rows).
+        for (int64_t t = b0; t < b0 + bl; ++t) {
+          const int64_t pi = t / page_size;
+          TORCH_CHECK(pi < bt_width, "position ", t, " is past the block table's ", bt_width, " pages");
+          const int64_t slot = static_cast<int64_t>(row_pages[pi]) * page_size + t % page_size;
+          const scalar_t* key = kp + h * kh + slot * ks;
+          for (int64_t r = r0; r < r1; ++r) {
+            const int64_t p = pos[r];
+            if (t > p || (window > 0 && t <= p - window)) continue;
+            for (int64_t j = 0; j < grp; ++j) {
+              const int64_t row = (r - r0) * grp + j;
+              scores[row * kBlock + (t - b0)] = dot(qf + row * D, key, D);
+            }
+          }
+        }
+        // Online softmax: rescale what the earlier blocks summed when the row's maximum grows.
+        for (int64_t row = 0; row < nr; ++row) {
+          float* s = scores + row * kBlock;
+          float bm = neg_inf;
+          for (int64_t i = 0; i < bl; ++i) bm = std::max(bm, s[i]);
+          if (bm == neg_inf) continue;  // no key of this block is visible to the row
+          const float new_m = std::max(m[row], bm);
+          const float alpha = exp_nonpositive(m[row] - new_m);  // 0 for the first block (m = -inf)
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t i = 0; i < bl; ++i) {
+            const float e = exp_nonpositive(s[i] - new_m);  // a masked key (-inf) weighs 0
+            s[i] = e;
+            sum += e;
+          }
+          l[row] = l[row] * alpha + sum;
+          m[row] = new_m;
+          if (alpha != 1.f) {
+            float* a = acc + row * D;
+            for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+          }
+        }
+        // The weighted sum of the block's values.
+        for (int64_t t = b0; t < b0 + bl; ++t) {
+          const int64_t slot = static_cast<int64_t>(row_pages[t / page_size]) * page_size + t % page_size;
+          const scalar_t* val = vp + h * vh + slot * vs;
+          for (int64_t row = 0; row < nr; ++row) {
+            const float p = scores[row * kBlock + (t - b0)];
+            if (p > 0.f) axpy(acc + row * D, p, val, D);
+          }
+        }
+      }
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t j = 0; j < grp; ++j) {
+          const int64_t row = (r - r0) * grp + j;
+          const float inv = 1.f / l[row];  // every row sees at least its own key
+          scalar_t* dst = op + (r * H + h * grp + j) * D;
+          const float* a = acc + row * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(a[d] * inv);
+        }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_table, torch::Tensor group_start, torch::Tensor group_row,
+                              torch::Tensor positions, int64_t page_size, int64_t window, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, H, D] tensor");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3, "caches must be [Hkv, slots, D]");
+  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "cache rows must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(2) && q.size(2) == v_cache.size(2), "head sizes differ");
+  for (const auto* t : {&block_table, &group_start, &group_row, &positions})
+    TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->is_contiguous(), "index tensors must be contiguous int32");
+  TORCH_CHECK(group_start.size(0) == group_row.size(0) + 1, "group_start must have one entry more than group_row");
+  auto out = torch::empty_like(q);
+  if (group_row.size(0) == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    run<scalar_t>(out, q, k_cache, v_cache, block_table, group_start, group_row, positions, page_size, window, scale);
+  });
+  return out;
+}
