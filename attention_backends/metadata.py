@@ -159,7 +159,6 @@ class PrefillSeq:
     # slot of the first): a run is read in place (a view of the cache), never gathered. Pages
     # come off a FIFO free list, so a prompt's pages are mostly consecutive.
     key_runs: list[tuple[int, int, int]] = field(default_factory=list)
-    seq_index: int = -1  # this sequence's row in the step's block tables (kernels read pages in place)
     _blocks: dict = field(default_factory=dict, repr=False)  # key_blocks memo: same for every layer
 
     def key_blocks(self, k0: int, k1: int, chunk: int, min_view: int) -> list[tuple[int, int, int | None]]:
@@ -355,7 +354,7 @@ def build_space_metadata(
             slots = None
         else:
             slots = token_slots(table[i], torch.arange(kstart, c), page_size)
-        sm.prefills.append(PrefillSeq(row, row + q, s, kstart, slots, _slot_runs(slots), seq_index=i))
+        sm.prefills.append(PrefillSeq(row, row + q, s, kstart, slots, _slot_runs(slots)))
         row += q
     return sm
 

@@ -209,3 +209,35 @@ def test_cpu_paged_kernel_matches_the_tiles_on_long_gqa_decodes(dtype, window):
     assert not outs["kernel"].float().isnan().any(), "the kernel read a key outside the sequence's window"
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs["kernel"].float(), outs["tiles"].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [-1, 5])
+def test_cpu_paged_kernel_groups_of_consecutive_queries_are_causal(window):
+    """A kernel group of several rows (consecutive positions of one sequence, the shape of a short
+    prefill chunk) gives each row only the keys up to its own position and inside its own window,
+    against attention written from the definition; keys after the last row are NaN (unwritten)."""
+    from hybridkv.attention_backends.cpu_kernels import load_paged_attention
+
+    kernel = load_paged_attention()
+    assert kernel is not None, "the CPU paged kernel did not build on this machine"
+    g = torch.Generator().manual_seed(5)
+    pages = 50
+    k_cache = torch.randn(HKV, pages * P, D, generator=g)
+    v_cache = torch.randn(HKV, pages * P, D, generator=g)
+    row_pages = (torch.randperm(pages - 1, generator=g)[:12] + 1).to(torch.int32)
+    positions = torch.tensor([20, 21, 22], dtype=torch.int32)
+    for t in range(23, 12 * P):  # not written yet: a read would poison the output
+        slot = int(row_pages[t // P]) * P + t % P
+        k_cache[:, slot] = float("nan")
+        v_cache[:, slot] = float("nan")
+    q = torch.randn(3, H, D, generator=g)
+    got = kernel(q, k_cache, v_cache, row_pages.view(1, -1), torch.tensor([0, 3], dtype=torch.int32),
+                 torch.tensor([0], dtype=torch.int32), positions, P, window, D**-0.5)
+    want = []
+    for i, p in enumerate(positions.tolist()):
+        lo = 0 if window < 0 else max(0, p - window + 1)
+        slots = torch.tensor([int(row_pages[t // P]) * P + t % P for t in range(lo, p + 1)])
+        k = k_cache[:, slots].repeat_interleave(H // HKV, 0)
+        v = v_cache[:, slots].repeat_interleave(H // HKV, 0)
+        want.append(torch.einsum("hl,hld->hd", (torch.einsum("hd,hld->hl", q[i], k) * D**-0.5).softmax(-1), v))
+    torch.testing.assert_close(got, torch.stack(want), atol=1e-5, rtol=1e-5)
