@@ -34,6 +34,7 @@ setup(
         "prometheus-client",  # GET /metrics of `hybridkv serve`
         "gguf",  # converts the built-in demo model's GGUF to a HF folder
         "jinja2",
+        "ninja",  # builds the CPU attention kernel (attention_backends/cpu_kernels) with the system g++
     ],
     extras_require={
         # The storage tier's Redis backend (hicache_storage_backend="redis"); the default file
