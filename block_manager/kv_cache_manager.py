@@ -329,12 +329,7 @@ class KVCacheManager:
                     self.host_tier.stats.loaded_pages[name] += 1
                     self.host_tier.release(name, tail.host_pages[name], after_copies=True)
                 self._extend(req, name, pages)
-        for name, n in needs.items():
-            if n > 0:
-                table = req.tables[name]
-                after = None if decode or not table else table[-1]  # continue the hit's run
-                self._extend(req, name, self.spaces[name].allocate(n, after=after, tail=decode))
-        self._set_grow_at(req)
+        self._take_new_pages(req, [(name, n, self.spaces[name]) for name, n in needs.items() if n > 0], decode)
         return True
 
     def _grow(self, req: RequestPages, num_tokens: int, decode: bool) -> bool:
@@ -346,22 +341,25 @@ class KVCacheManager:
         for name, tokens_per_slot, slots_per_page, space in self._layout:
             n = -(-(num_tokens // tokens_per_slot) // slots_per_page) - len(req.tables[name])
             if n > 0:
+                # can_allocate's rule (free + evictable), inline: no dict per call on this path
                 if n > space.num_free + (index.evictable[name] if index is not None else 0):
                     return False  # nothing evicted, nothing taken
                 grows.append((name, n, space))
         if decode:
             req.decoding = True  # also a request resumed past its prompt (it had no prompt_done)
+        self._take_new_pages(req, grows, decode)
+        return True
+
+    def _take_new_pages(self, req: RequestPages, grows: list[tuple[str, int, BlockSpace]], decode: bool) -> None:
+        """The last part of every allocate: evict what each space is still short of (the room
+        was checked), take the new pages -- continuing the run of the request's last page, or
+        from the free list's back for a decode -- and set grow_at."""
         for name, n, space in grows:
             if n > space.num_free:
-                index.evict(name, n - space.num_free)
+                self.index.evict(name, n - space.num_free)
             table = req.tables[name]
             after = None if decode or not table else table[-1]
             self._extend(req, name, space.allocate(n, after=after, tail=decode))
-        self._set_grow_at(req)
-        return True
-
-    def _set_grow_at(self, req: RequestPages) -> None:
-        """The first token count some space needs a new page for."""
         req.grow_at = min(
             (len(req.tables[name]) * slots_per_page + 1) * tokens_per_slot
             for name, tokens_per_slot, slots_per_page, _ in self._layout

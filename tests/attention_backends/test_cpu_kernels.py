@@ -1,0 +1,82 @@
+"""attention_backends/cpu_kernels: when the C++ kernel cannot be had (switched off, no compiler,
+a failed build) the loader says so once and returns None, and the torch-native backend decodes
+over the torch tiles with the same result; a backend without the kernel never silently runs on
+metadata that lacks the tiles."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from hybridkv.attention_backends import cpu_kernels
+from hybridkv.attention_backends.metadata import StepSequences, build_attention_metadata
+from hybridkv.attention_backends.torch_native import TorchNativeAttention
+
+P, H, HKV, D = 4, 4, 2, 8
+
+
+@pytest.fixture
+def fresh_loader():
+    """load_paged_attention is cached per process: clear it around the test (the next user
+    reloads the compiled module from the build cache)."""
+    cpu_kernels.load_paged_attention.cache_clear()
+    yield
+    cpu_kernels.load_paged_attention.cache_clear()
+
+
+def _decode_step():
+    g = torch.Generator().manual_seed(0)
+    lens = [5, 9]
+    tables = [[1, 2], [3, 4, 5]]
+    k_cache = torch.randn(HKV, 6 * P, D, generator=g)
+    v_cache = torch.randn(HKV, 6 * P, D, generator=g)
+    k_cache[:, :P] = 0
+    v_cache[:, :P] = 0
+    seqs = StepSequences.from_page_lists([1, 1], lens, {"full": tables})
+    q = torch.randn(2, H, D, generator=g)
+    k_new = torch.stack([k_cache[:, t[(n - 1) // P] * P + (n - 1) % P] for t, n in zip(tables, lens)])
+    v_new = torch.stack([v_cache[:, t[(n - 1) // P] * P + (n - 1) % P] for t, n in zip(tables, lens)])
+    return seqs, (q, k_new, v_new, k_cache, v_cache)
+
+
+def _run(backend: TorchNativeAttention):
+    seqs, (q, k, v, kc, vc) = _decode_step()
+    seqs.decode_tiles = backend.needs_decode_tiles
+    meta = build_attention_metadata(seqs, {"full": None}, P)
+    return backend.forward(q, k, v, kc, vc, meta, "full", D**-0.5)
+
+
+def test_switched_off_by_the_environment(fresh_loader, monkeypatch):
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    assert cpu_kernels.load_paged_attention() is None
+    assert TorchNativeAttention().needs_decode_tiles, "without the kernel the backend must ask for tiles"
+
+
+def test_a_failed_build_falls_back_to_torch_with_one_warning(fresh_loader, monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension 'hybridkv_paged_attention': g++: not found")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", no_compiler)
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        backend = TorchNativeAttention()
+        TorchNativeAttention()  # the outcome is cached: one attempt, one warning
+    assert backend.needs_decode_tiles
+    warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "g++: not found" in warnings[0].getMessage()
+    cpu_kernels.load_paged_attention.cache_clear()
+    monkeypatch.undo()
+    with_kernel = TorchNativeAttention()
+    assert not with_kernel.needs_decode_tiles, "the CPU paged kernel did not build on this machine"
+    torch.testing.assert_close(_run(backend), _run(with_kernel), atol=1e-5, rtol=1e-5)
+
+
+def test_a_backend_without_the_kernel_refuses_metadata_without_tiles():
+    backend = TorchNativeAttention(cpu_kernels=False)
+    seqs, (q, k, v, kc, vc) = _decode_step()
+    seqs.decode_tiles = False  # as for a backend that reads the block tables in place
+    meta = build_attention_metadata(seqs, {"full": None}, P)
+    with pytest.raises(RuntimeError, match="decode tiles were not built"):
+        backend.forward(q, k, v, kc, vc, meta, "full", D**-0.5)
