@@ -10,6 +10,8 @@ Invariants checked:
   resumed requests recompute no whole page the host still held;
 - a device page queued for the host and handed out again in the same scheduling pass (a
   decode's new page is the one an eviction just freed) is copied before the forward writes it;
+- a decode aborted while some of its pages still wait for batched publication publishes them
+  at retire, and they reach the host (write-through at the abort, write-back on eviction);
 - every test ends with all device pages free or cached, no lock, no copy left unexecuted, and
   the host pools' ledgers equal to the index's host shadows (conftest's idle check).
 """
@@ -465,3 +467,39 @@ def test_a_device_page_queued_for_the_host_and_reused_in_the_same_pass_is_copied
         from_host += out.metrics["prompt_tokens_from_host"]
     assert from_host > 0, "no prefix was served from the host"
     space.allocate, kv.take_transfers = allocate, take
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_pages_pending_publication_when_a_decode_is_aborted_reach_the_host(tiny_ckpt, policy):
+    """A decoding request's pages are published in batches (KVCacheManager.publish_pages); aborted
+    while some are still pending, retire publishes them and the abort runs their host copies
+    (write-through) or leaves them to eviction (write-back). Then, with every device page
+    evicted, its prompt + generated tokens are a host hit over all those pages, and the output
+    equals a no-cache run's."""
+    path = tiny_ckpt("llama")
+    llm = LLM(path, dtype="float32", max_model_len=256, enable_hierarchical_cache=True, hicache_write_policy=policy)
+    eng, kv = llm.engine, llm.engine.kv
+    P = kv.page_size
+    assert kv.publish_pages > 2, "the test needs batched publication"
+    prompt = _prompt(20, eng.runner.config.vocab_size, seed=70)
+    eng.add_request("a", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=150, ignore_eos=True))
+    req = None
+    while True:
+        eng.step()
+        req = eng.scheduler.running[0]
+        whole = req.num_computed_tokens // P
+        if whole - kv.request_pages[req.request_id].num_inserted_pages >= 2:
+            break  # at least two decoded pages computed but not yet in the index
+    computed = list(req.all_token_ids[: whole * P])
+    eng.abort_request("a")
+    kv.check_invariants()
+    evict_device(llm)
+    probe = computed + [(computed[-1] + 1) % 50 + 3]
+    ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    want = run_one(ref, probe, 6)
+    out = run_one(llm, probe, 6)
+    assert out.num_cached_tokens == whole * P, f"hit {out.num_cached_tokens} of {whole * P}: pending pages were lost"
+    assert out.metrics["prompt_tokens_from_host"] == whole * P
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    torch.testing.assert_close(torch.tensor(sampled_logprobs(out)), torch.tensor(sampled_logprobs(want)),
+                               atol=LOGPROB_ATOL, rtol=0)
