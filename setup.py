@@ -20,8 +20,9 @@ setup(
     python_requires=">=3.10",
     packages=packages,
     package_dir=package_dir,
-    # The CPU attention kernels' C++ source, compiled on the machine that runs it (first use).
-    package_data={"hybridkv.attention_backends.cpu_kernels": ["*.cpp"]},
+    # The CPU kernels' C++ sources, compiled on the machine that runs them (first use).
+    package_data={"hybridkv.attention_backends.cpu_kernels": ["*.cpp", "*.h"],
+                  "hybridkv.model_executor.cpu_kernels": ["*.cpp"]},
     install_requires=[
         # CPU machines: install torch==2.13.0 (CPU build) first; this range never replaces it.
         "torch>=2.4",
@@ -34,7 +35,7 @@ setup(
         "prometheus-client",  # GET /metrics of `hybridkv serve`
         "gguf",  # converts the built-in demo model's GGUF to a HF folder
         "jinja2",
-        "ninja",  # builds the CPU attention kernel (attention_backends/cpu_kernels) with the system g++
+        "ninja",  # builds the CPU kernels (attention_backends/ and model_executor/cpu_kernels) with the system g++
     ],
     extras_require={
         # The storage tier's Redis backend (hicache_storage_backend="redis"); the default file

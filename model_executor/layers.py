@@ -8,7 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.model_executor.cpu_kernels import fused_ops
+
 logger = logging.getLogger(__name__)
+
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what cpu_kernels' RMSNorm takes
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +26,8 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset  # Gemma stores weight - 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cpu and x.dtype == self.weight.dtype and x.dtype in _FUSED_DTYPES and (ops := fused_ops()):
+            return ops.rms_norm(x, self.weight, self.eps, self.unit_offset)  # the expression below, one pass
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -54,6 +61,9 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE: x [T, heads, D] with cos/sin [T, 1, D]."""
+    if (x.is_cpu and x.dtype == torch.float32 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+            and cos.dtype == x.dtype and (ops := fused_ops())):
+        return ops.rotary(x, cos, sin)  # bit-identical to the expression below, in one pass
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -86,6 +96,7 @@ class SiluAndMulMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False, act: str = "silu") -> None:
         super().__init__()
         self.intermediate = intermediate
+        self.is_silu = act in ("silu", "swish")
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         if act in ("silu", "swish"):
@@ -98,7 +109,10 @@ class SiluAndMulMLP(nn.Module):
             raise ValueError(f"hidden_act {act!r} is not supported")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.is_silu and gate_up.is_cpu and gate_up.dtype == torch.float32 and (ops := fused_ops()):
+            return self.down_proj(ops.silu_and_mul(gate_up.view(-1, 2 * self.intermediate)).view(*x.shape[:-1], -1))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -159,17 +173,41 @@ def cpu_supports_prepack(dtype: torch.dtype) -> bool:
 PACK_ROWS_HINT = 16
 
 
+def skinny_linear_for(weight: torch.Tensor):
+    """cpu_kernels' few-row linear for `weight`, or None where it does not apply.
+
+    Decode multiplies a few rows by each weight, which is a weight stream: the kernel reads each
+    weight row once for all rows at ~28 GB/s where oneDNN's packed kernel reads ~24 (Zen 3, fp32,
+    the demo model's projections + logits, 2 threads), and reads bfloat16 weights widened in
+    registers. It serves float32 weights and bfloat16 weights on CPUs without native bf16 (the
+    measured cases); bf16 on a native-bf16 CPU stays with oneDNN's bf16 kernels."""
+    if weight.device.type != "cpu" or not weight.is_contiguous():
+        return None
+    if weight.dtype == torch.bfloat16 and cpu_computes_natively(torch.bfloat16):
+        return None
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return fused_ops()
+
+
 class PackedLinearWeight:
-    """A weight [N, K] prepacked for oneDNN; call it like F.linear(x, weight, bias)."""
+    """A weight [N, K] prepacked for oneDNN; call it like F.linear(x, weight, bias). Inputs of
+    up to `skinny_rows` rows (decode) go through the few-row kernel when it is built here."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features = weight.shape[0]
-        self.bias = bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+        self.weight, self.bias = weight.detach(), bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS_HINT)
+        self.skinny = skinny_linear_for(self.weight)
+        self.skinny_rows = self.skinny.skinny_max_rows() if self.skinny else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed, self.bias, "none", [], "")
+        x2 = x.reshape(-1, shape[-1])
+        if x2.shape[0] <= self.skinny_rows and x.dtype == self.weight.dtype:
+            out = self.skinny.skinny_linear(x2, self.weight, self.bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
         return out.view(*shape[:-1], self.out_features)
 
 
@@ -207,11 +245,16 @@ class WidenedLinearWeight:
     dtype) for inputs of min_rows rows or more."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight, self.bias = weight, bias
+        self.weight, self.bias = weight.detach(), bias
         self.min_rows = WIDEN_MIN_ROWS * (2 if weight.numel() > LARGE_WEIGHT else 1)
+        self.skinny = skinny_linear_for(self.weight)
+        self.skinny_rows = self.skinny.skinny_max_rows() if self.skinny else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < self.min_rows * x.shape[-1]:
+        rows = x.numel() // x.shape[-1]
+        if rows <= self.skinny_rows and x.dtype == self.weight.dtype:
+            return self.skinny.skinny_linear(x.reshape(rows, -1), self.weight, self.bias).view(*x.shape[:-1], -1)
+        if rows < self.min_rows:
             return F.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.float()
         return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)

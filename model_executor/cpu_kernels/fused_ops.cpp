@@ -1,0 +1,251 @@
+// Fused CPU ops for the decoder layers: what a decode step spends outside its weight stream.
+//
+// A decode step of a small model on the CPU is ~30 layers x ~60 small torch ops, each a few
+// microseconds of dispatch and a fresh allocation, next to GEMVs that stream the weights. These
+// kernels do in one pass what the torch code does in several:
+//   skinny_linear  y = x W^T (+ b) for a few rows (decode): each weight row is read once for all
+//                  rows of x, at memory bandwidth; bfloat16 weights are widened in registers, so
+//                  they stream half the bytes on CPUs without native bf16 compute.
+//   rms_norm       transformers' RMSNorm: float32 statistics, weight applied in the input dtype.
+//   rotary         rotate-half RoPE of [T, heads, D] (rows may be strided, e.g. a view of qkv).
+//   silu_and_mul   silu(gate) * up of a fused [T, 2I] gate_up projection.
+// Each is held to the torch expression it replaces by tests (tests/model_executor/test_cpu_kernels.py).
+// exp_nonpositive comes from attention_backends/cpu_kernels/cpu_math.h, which the loader puts in
+// front of this file. Built with -ffp-contract=off so that a*b + c*d rounds as torch's separate ops do: rotary is then
+// bit-identical to the torch expression, and the others differ only in summation order or exp.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vfloat __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t vhalf __attribute__((vector_size(kLanes * 2)));
+typedef uint32_t vuint __attribute__((vector_size(kLanes * 4)));
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vfloat load(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift, exact
+  vhalf h;
+  std::memcpy(&h, p, sizeof(h));
+  const vuint u = __builtin_convertvector(h, vuint) << 16;
+  vfloat v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+inline float hsum(vfloat v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// ---- skinny_linear -------------------------------------------------------------------------
+
+// Output columns [n0, n1) of y[M, N] = x[M, K] W[N, K]^T (+ b): R weight rows at a time, each
+// loaded once and multiplied into all M rows of x (float32, widened once by the caller).
+template <typename wt, int M, int R>
+void linear_rows(const float* x, const wt* w, const float* b, float* y, int64_t n0, int64_t n1, int64_t K,
+                 int64_t N) {
+  const int64_t Kv = K / kLanes * kLanes;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    vfloat acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = vfloat{};
+    for (int64_t k = 0; k < Kv; k += kLanes) {
+      vfloat xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = load(x + m * K + k);
+      for (int r = 0; r < R; ++r) {
+        const vfloat wv = load(w + (n + r) * K + k);
+        for (int m = 0; m < M; ++m) acc[r][m] += wv * xv[m];
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) {
+        float s = hsum(acc[r][m]);
+        for (int64_t k = Kv; k < K; ++k) s += x[m * K + k] * to_float(w[(n + r) * K + k]);
+        y[m * N + n + r] = b ? s + b[n + r] : s;
+      }
+  }
+  for (; n < n1; ++n)
+    for (int m = 0; m < M; ++m) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * to_float(w[n * K + k]);
+      y[m * N + n] = b ? s + b[n] : s;
+    }
+}
+
+// Rows per pass: enough independent weight streams to keep the loads in flight, few enough that
+// R x M accumulators stay in registers.
+template <typename wt, int M>
+void linear(const float* x, const wt* w, const float* b, float* y, int64_t K, int64_t N) {
+  constexpr int R = M == 1 ? 8 : (M == 2 ? 4 : 2);
+  // Contiguous halves of the weight per thread (the hardware prefetcher follows each stream).
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { linear_rows<wt, M, R>(x, w, b, y, n0, n1, K, N); });
+}
+
+template <typename wt>
+void linear_dispatch(const float* x, const wt* w, const float* b, float* y, int64_t M, int64_t K, int64_t N) {
+  switch (M) {
+    case 1: return linear<wt, 1>(x, w, b, y, K, N);
+    case 2: return linear<wt, 2>(x, w, b, y, K, N);
+    case 3: return linear<wt, 3>(x, w, b, y, K, N);
+    case 4: return linear<wt, 4>(x, w, b, y, K, N);
+  }
+}
+
+}  // namespace
+
+constexpr int64_t kSkinnyMaxRows = 4;
+
+int64_t skinny_max_rows() { return kSkinnyMaxRows; }
+
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "skinny_linear: x [M, K] and weight [N, K] must agree on K");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kSkinnyMaxRows, "skinny_linear takes 1..", kSkinnyMaxRows, " rows");
+  TORCH_CHECK(weight.is_contiguous(), "skinny_linear: weight must be contiguous");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "skinny_linear: weight must be float32 or bfloat16");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "skinny_linear: x must be float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const auto xf = x.to(at::kFloat).contiguous();  // a no-op for float32 input
+  c10::optional<torch::Tensor> bf;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "skinny_linear: bias must have N entries");
+    bf = bias->to(at::kFloat).contiguous();
+  }
+  auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  const float* b = bf.has_value() ? bf->data_ptr<float>() : nullptr;
+  if (weight.scalar_type() == at::kBFloat16)
+    linear_dispatch(xf.data_ptr<float>(), weight.data_ptr<c10::BFloat16>(), b, y.data_ptr<float>(), M, K, N);
+  else
+    linear_dispatch(xf.data_ptr<float>(), weight.data_ptr<float>(), b, y.data_ptr<float>(), M, K, N);
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+// ---- rms_norm --------------------------------------------------------------------------------
+
+namespace {
+template <typename scalar_t>
+void rms_norm_rows(const scalar_t* x, int64_t x_stride, const scalar_t* w, scalar_t* out, int64_t rows, int64_t D,
+                   float eps, bool unit_offset) {
+  at::parallel_for(0, rows, 32, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const scalar_t* xr = x + r * x_stride;
+      scalar_t* o = out + r * D;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t d = 0; d < D; ++d) ss += to_float(xr[d]) * to_float(xr[d]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+      if (unit_offset) {  // Gemma: (h * (1 + w)) in float32, then the input dtype
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(to_float(xr[d]) * inv * (1.f + to_float(w[d])));
+      } else {  // weight * h.to(dtype): h rounded to the input dtype first, as transformers does
+        for (int64_t d = 0; d < D; ++d) {
+          const scalar_t h = static_cast<scalar_t>(to_float(xr[d]) * inv);
+          o[d] = static_cast<scalar_t>(to_float(w[d]) * to_float(h));
+        }
+      }
+    }
+  });
+}
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool unit_offset) {
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == D, "rms_norm: weight must be [", D, "]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight and x must share a dtype");
+  TORCH_CHECK(x.stride(-1) == 1 && weight.is_contiguous(), "rms_norm: the last dim must be contiguous");
+  // Rows of a 2-D view (a strided slice of a wider tensor is fine: one row stride).
+  const auto x2 = x.dim() == 2 || x.is_contiguous() ? x.reshape({-1, D}) : x.contiguous().view({-1, D});
+  auto out = torch::empty(x.sizes(), x.options());
+  AT_DISPATCH_SWITCH(x.scalar_type(), "rms_norm",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      rms_norm_rows<float>(x2.data_ptr<float>(), x2.stride(0), weight.data_ptr<float>(), out.data_ptr<float>(),
+                           x2.size(0), D, static_cast<float>(eps), unit_offset);
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      rms_norm_rows<c10::BFloat16>(x2.data_ptr<c10::BFloat16>(), x2.stride(0), weight.data_ptr<c10::BFloat16>(),
+                                   out.data_ptr<c10::BFloat16>(), x2.size(0), D, static_cast<float>(eps), unit_offset);
+    }));
+  return out;
+}
+
+// ---- rotary ----------------------------------------------------------------------------------
+
+// out = x * cos + rotate_half(x) * sin for x [T, H, D] (row stride free, heads and D contiguous),
+// cos/sin [T, 1, D] contiguous; each product rounded before the sum, as the torch expression does.
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rotary: x must be [T, H, D] with "
+              "contiguous heads");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(D % 2 == 0, "rotary: odd head size");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
+              "rotary: cos and sin must be contiguous [T, 1, D]");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rotary: cos, sin and x must share a dtype");
+  auto out = torch::empty({T, H, D}, x.options());
+  AT_DISPATCH_SWITCH(x.scalar_type(), "rotary",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      const float* xp = x.data_ptr<float>();
+      const float* cp = cos.data_ptr<float>();
+      const float* sp = sin.data_ptr<float>();
+      float* op = out.data_ptr<float>();
+      const int64_t xs = x.stride(0);
+      at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t h = 0; h < H; ++h) {
+            const float* xr = xp + t * xs + h * D;
+            const float* c = cp + t * D;
+            const float* s = sp + t * D;
+            float* o = op + (t * H + h) * D;
+            for (int64_t d = 0; d < half; ++d) o[d] = xr[d] * c[d] + (-xr[d + half]) * s[d];
+            for (int64_t d = half; d < D; ++d) o[d] = xr[d] * c[d] + xr[d - half] * s[d];
+          }
+      });
+    }));
+  return out;
+}
+
+// ---- silu_and_mul ----------------------------------------------------------------------------
+
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_and_mul: gate_up must be a contiguous [T, 2I] tensor");
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat, "silu_and_mul: float32 only");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({T, I}, gate_up.options());
+  const float* g = gate_up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* gr = g + t * 2 * I;
+      const float* ur = gr + I;
+      float* orow = o + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) {
+        // sigmoid from exp(-|x|) <= 1, so it never overflows: 1/(1+e) for x >= 0, e/(1+e) below
+        const float x = gr[i];
+        const float e = hybridkv_cpu::exp_nonpositive(-std::fabs(x));
+        const float sigmoid = (x >= 0.f ? 1.f : e) / (1.f + e);
+        orow[i] = x * sigmoid * ur[i];
+      }
+    }
+  });
+  return out;
+}

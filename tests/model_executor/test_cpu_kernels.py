@@ -1,0 +1,174 @@
+"""model_executor/cpu_kernels: each fused CPU op equals the torch expression it replaces (rotary
+bit for bit; the others to float32 rounding, from a different summation order or exp), the layers
+route to them only where they apply, and without them (switched off, no compiler) the layers run
+their torch path with the same result."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridkv import LLM, SamplingParams
+from hybridkv.model_executor import cpu_kernels, layers
+from hybridkv.model_executor.layers import PackedLinearWeight, RMSNorm, SiluAndMulMLP, WidenedLinearWeight, apply_rotary
+
+ops = cpu_kernels.fused_ops()
+needs_ops = pytest.mark.skipif(ops is None, reason="the fused CPU ops did not build here (no g++?)")
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """The layers as they run without the compiled ops."""
+    monkeypatch.setattr(layers, "fused_ops", lambda: None)
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@needs_ops
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_equals_f_linear_in_float32(rows, wdtype, bias):
+    # K = 100 and N = 37: a K tail past the last full vector and an N tail past the last row block
+    g = _gen(rows)
+    x = torch.randn(rows, 100, generator=g)
+    w = torch.randn(37, 100, generator=g).to(wdtype)
+    b = torch.randn(37, generator=g) if bias else None
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+    torch.testing.assert_close(ops.skinny_linear(x, w, b), ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_ops
+def test_skinny_linear_of_bfloat16_rows_rounds_like_f_linear():
+    g = _gen(1)
+    x = torch.randn(2, 576, generator=g).bfloat16()
+    w = (torch.randn(300, 576, generator=g) / 24).bfloat16()
+    out = ops.skinny_linear(x, w, None)
+    assert out.dtype == torch.bfloat16
+    ref = F.linear(x.double(), w.double())
+    torch.testing.assert_close(out.double(), ref, rtol=8e-3, atol=1e-3)  # one bf16 rounding of an fp32 sum
+
+
+@needs_ops
+def test_skinny_linear_refuses_what_it_cannot_do():
+    w = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="rows"):
+        ops.skinny_linear(torch.randn(ops.skinny_max_rows() + 1, 16), w, None)
+    with pytest.raises(RuntimeError, match="agree on K"):
+        ops.skinny_linear(torch.randn(1, 15), w, None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.skinny_linear(torch.randn(1, 8), w.t(), None)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_rms_norm_equals_the_torch_path(dtype, unit_offset, monkeypatch):
+    g = _gen(2)
+    norm = RMSNorm(96, 1e-6, unit_offset=unit_offset).to(dtype)
+    norm.weight.data = torch.randn(96, generator=g).to(dtype)
+    wide = torch.randn(5, 3, 96 + 32, generator=g).to(dtype)
+    x = wide[..., 16:112]  # a strided view, as a slice of a fused projection is
+    fused = norm(x)
+    monkeypatch.setattr(layers, "fused_ops", lambda: None)
+    ref = norm(x)
+    assert fused.shape == ref.shape and fused.dtype == ref.dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused, ref, rtol=2e-6, atol=1e-6)
+    else:  # the statistics differ only in summation order: at most one bf16 rounding step apart
+        torch.testing.assert_close(fused.float(), ref.float(), rtol=8e-3, atol=1e-2)
+
+
+@needs_ops
+def test_rotary_is_bit_identical_to_the_torch_expression(monkeypatch):
+    g = _gen(3)
+    T, H, Hkv, D = 6, 4, 2, 64
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g)
+    qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)  # rows strided by the whole qkv width
+    cos, sin = torch.randn(T, 1, D, generator=g), torch.randn(T, 1, D, generator=g)
+    fused = apply_rotary(qk, cos, sin)
+    monkeypatch.setattr(layers, "fused_ops", lambda: None)
+    assert torch.equal(fused, apply_rotary(qk, cos, sin))
+
+
+@needs_ops
+@pytest.mark.parametrize("rows", [1, 7])
+def test_silu_and_mul_mlp_equals_the_torch_path(rows, monkeypatch):
+    g = _gen(4)
+    mlp = SiluAndMulMLP(48, 80)
+    for p in mlp.parameters():
+        p.data = torch.randn(p.shape, generator=g)
+    x = torch.randn(2, rows, 48, generator=g) * 3  # large gates: both tails of the sigmoid
+    fused = mlp(x)
+    monkeypatch.setattr(layers, "fused_ops", lambda: None)
+    torch.testing.assert_close(fused, mlp(x), rtol=1e-5, atol=1e-5)
+
+
+@needs_ops
+@pytest.mark.parametrize("rows", [1, 4, 5, 33])
+def test_packed_linear_routes_few_rows_to_the_kernel_and_agrees_with_onednn(rows):
+    if not layers.packing_supported(torch.zeros(1)):
+        pytest.skip("oneDNN cannot prepack float32 here")
+    g = _gen(5)
+    w, b = torch.randn(70, 40, generator=g), torch.randn(70, generator=g)
+    linear = PackedLinearWeight(w, b)
+    assert linear.skinny_rows == ops.skinny_max_rows() == 4
+    x = torch.randn(rows, 40, generator=g)
+    torch.testing.assert_close(linear(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_ops_the_layers_take_their_torch_path(torch_path):
+    w = torch.randn(20, 12)
+    assert layers.skinny_linear_for(w) is None
+    if layers.packing_supported(w):
+        assert PackedLinearWeight(w).skinny_rows == 0
+    assert WidenedLinearWeight(w.bfloat16()).skinny_rows == 0
+    x = torch.randn(3, 12)
+    torch.testing.assert_close(WidenedLinearWeight(w.bfloat16())(x.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()))
+
+
+def test_bfloat16_weights_on_a_native_bf16_cpu_stay_with_onednn(monkeypatch):
+    monkeypatch.setattr(layers, "cpu_computes_natively", lambda dtype: True)
+    assert layers.skinny_linear_for(torch.randn(4, 4).bfloat16()) is None
+    monkeypatch.setattr(layers, "cpu_computes_natively", lambda dtype: dtype == torch.float32)
+    assert layers.skinny_linear_for(torch.randn(4, 4).bfloat16()) is ops
+
+
+def test_a_failed_build_leaves_none_and_the_switch_turns_them_off(monkeypatch):
+    from torch.utils import cpp_extension
+
+    cpu_kernels.fused_ops.cache_clear()
+    try:
+        monkeypatch.setenv("HYBRIDKV_CPU_KERNELS", "0")
+        assert cpu_kernels.fused_ops() is None
+        cpu_kernels.fused_ops.cache_clear()
+        monkeypatch.delenv("HYBRIDKV_CPU_KERNELS")
+
+        def no_compiler(*args, **kwargs):
+            raise RuntimeError("g++: not found")
+
+        monkeypatch.setattr(cpp_extension, "load_inline", no_compiler)
+        assert cpu_kernels.fused_ops() is None
+    finally:
+        cpu_kernels.fused_ops.cache_clear()
+
+
+@needs_ops
+def test_demo_model_decodes_the_same_tokens_with_and_without_the_ops(tiny_ckpt, monkeypatch):
+    """Greedy decode of a tiny Llama (kernels on every layer op it routes) equals the torch path."""
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+    def run():
+        llm = LLM(tiny_ckpt("llama"), dtype="float32", max_model_len=256, seed=0)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        return [list(c.token_ids) for c in outs], [[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] for c in outs]
+
+    fused_tokens, fused_lp = run()
+    monkeypatch.setattr(layers, "fused_ops", lambda: None)
+    ref_tokens, ref_lp = run()
+    assert fused_tokens == ref_tokens
+    for a, b in zip(fused_lp, ref_lp):
+        assert a == pytest.approx(b, abs=1e-4)
