@@ -14,7 +14,10 @@
 // Per work item, blocks of kBlock keys: their scores (float32), an online-softmax update of the
 // running maximum and sum, then the weighted sum of their values. Scratch per thread: rows x
 // kBlock scores and rows x D accumulators (rows = the group's queries x query heads per KV head),
-// independent of the context length.
+// independent of the context length. The block's key/value row addresses are looked up through
+// the pages once; scores go eight keys at a time and the value sum keeps its accumulator row in
+// registers (Zen 3, 32 decodes x 120 keys, 9/3 heads, D 64, cache-resident: 345 -> 212 us a layer;
+// in the engine the step reads its KV from memory and the kernel is then bandwidth-bound).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -25,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 namespace {
 
@@ -47,6 +51,86 @@ template <typename scalar_t>
 inline void axpy(float* __restrict__ acc, float p, const scalar_t* __restrict__ v, int64_t n) {
 #pragma omp simd
   for (int64_t d = 0; d < n; ++d) acc[d] += p * to_float(v[d]);
+}
+
+// ---- vectorized block loops (head sizes that are a multiple of the vector width) ----------
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vfloat __attribute__((vector_size(kLanes * 4)));
+
+inline vfloat load_vec(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <typename scalar_t>
+inline vfloat load_vec(const scalar_t* p) {  // bf16 / fp16: widened lane by lane
+  vfloat v;
+  for (int i = 0; i < kLanes; ++i) v[i] = to_float(p[i]);
+  return v;
+}
+inline float hsum(vfloat v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// scores[t] = q . key[t] for t in [lo, hi): eight keys at a time, eight independent accumulator
+// chains (one dot per key would be a chain of D / kLanes dependent FMAs).
+template <int NC, typename scalar_t>
+void block_scores(const float* q, const scalar_t* const* keys, float* scores, int64_t lo, int64_t hi) {
+  vfloat qv[NC];
+  for (int c = 0; c < NC; ++c) qv[c] = load_vec(q + c * kLanes);
+  int64_t t = lo;
+  for (; t + 8 <= hi; t += 8) {
+    vfloat acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = vfloat{};
+    for (int c = 0; c < NC; ++c)
+      for (int i = 0; i < 8; ++i) acc[i] += qv[c] * load_vec(keys[t + i] + c * kLanes);
+    for (int i = 0; i < 8; ++i) scores[t + i] = hsum(acc[i]);
+  }
+  for (; t < hi; ++t) {
+    vfloat acc = vfloat{};
+    for (int c = 0; c < NC; ++c) acc += qv[c] * load_vec(keys[t] + c * kLanes);
+    scores[t] = hsum(acc);
+  }
+}
+
+// acc += sum_t p[t] * value[t] over t in [lo, hi), the accumulator row held in registers.
+template <int NC, typename scalar_t>
+void block_values(float* acc, const float* p, const scalar_t* const* values, int64_t lo, int64_t hi) {
+  vfloat a[NC];
+  for (int c = 0; c < NC; ++c) a[c] = load_vec(acc + c * kLanes);
+  for (int64_t t = lo; t < hi; ++t) {
+    if (!(p[t] > 0.f)) continue;  // a masked key (or one that underflowed) adds nothing
+    const vfloat pv = vfloat{} + p[t];
+    for (int c = 0; c < NC; ++c) a[c] += pv * load_vec(values[t] + c * kLanes);
+  }
+  for (int c = 0; c < NC; ++c) std::memcpy(acc + c * kLanes, &a[c], sizeof(vfloat));
+}
+
+// The two loops for any head size: the vectorized ones where D is 4, 8 or 16 vectors, else plain.
+template <typename scalar_t>
+void scores_row(const float* q, const scalar_t* const* keys, float* s, int64_t lo, int64_t hi, int64_t D) {
+  switch (D / kLanes * (D % kLanes == 0)) {
+    case 4: return block_scores<4>(q, keys, s, lo, hi);
+    case 8: return block_scores<8>(q, keys, s, lo, hi);
+    case 16: return block_scores<16>(q, keys, s, lo, hi);
+  }
+  for (int64_t t = lo; t < hi; ++t) s[t] = dot(q, keys[t], D);
+}
+template <typename scalar_t>
+void values_row(float* acc, const float* p, const scalar_t* const* values, int64_t lo, int64_t hi, int64_t D) {
+  switch (D / kLanes * (D % kLanes == 0)) {
+    case 4: return block_values<4>(acc, p, values, lo, hi);
+    case 8: return block_values<8>(acc, p, values, lo, hi);
+    case 16: return block_values<16>(acc, p, values, lo, hi);
+  }
+  for (int64_t t = lo; t < hi; ++t)
+    if (p[t] > 0.f) axpy(acc, p[t], values[t], D);
 }
 
 template <typename scalar_t>
@@ -77,6 +161,9 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const int64_t per_thread = max_rows * (kBlock + 2 * D + 2);
   auto scratch = torch::empty({at::get_num_threads(), per_thread}, q.options().dtype(torch::kFloat32));
   float* scratch_base = scratch.data_ptr<float>();
+  // Per thread: the addresses of one block's key and value rows, looked up through the pages once
+  // for all the group's rows.
+  std::vector<const scalar_t*> row_ptrs(static_cast<size_t>(at::get_num_threads()) * 2 * kBlock);
 
   at::parallel_for(0, G * Hkv, 1, [&](int64_t begin, int64_t end) {
     float* mine = scratch_base + at::get_thread_num() * per_thread;
@@ -85,6 +172,8 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
     float* acc = scores + max_rows * kBlock;
     float* m = acc + max_rows * D;
     float* l = m + max_rows;
+    const scalar_t** keys = row_ptrs.data() + at::get_thread_num() * 2 * kBlock;
+    const scalar_t** values = keys + kBlock;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / Hkv, h = item % Hkv;
       const int64_t r0 = gs[g], r1 = gs[g + 1];
@@ -106,19 +195,24 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       for (int64_t b0 = first; b0 <= last; b0 += kBlock) {
         const int64_t bl = std::min<int64_t>(kBlock, last - b0 + 1);
         std::fill(scores, scores + nr * kBlock, neg_inf);
-        // Scores, key by key through the pages (each key row read once for all rows).
+        // The block's key and value rows, through the pages; then each row's scores over the keys
+        // it may see (the others stay -inf).
         for (int64_t t = b0; t < b0 + bl; ++t) {
           const int64_t pi = t / page_size;
           TORCH_CHECK(pi < bt_width, "position ", t, " is past the block table's ", bt_width, " pages");
           const int64_t slot = static_cast<int64_t>(row_pages[pi]) * page_size + t % page_size;
-          const scalar_t* key = kp + h * kh + slot * ks;
-          for (int64_t r = r0; r < r1; ++r) {
-            const int64_t p = pos[r];
-            if (t > p || (window > 0 && t <= p - window)) continue;
-            for (int64_t j = 0; j < grp; ++j) {
-              const int64_t row = (r - r0) * grp + j;
-              scores[row * kBlock + (t - b0)] = dot(qf + row * D, key, D);
-            }
+          keys[t - b0] = kp + h * kh + slot * ks;
+          values[t - b0] = vp + h * vh + slot * vs;
+        }
+
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t p = pos[r];
+          const int64_t lo = std::max<int64_t>(b0, window > 0 ? p - window + 1 : 0) - b0;
+          const int64_t hi = std::min<int64_t>(b0 + bl, p + 1) - b0;
+          if (lo >= hi) continue;
+          for (int64_t j = 0; j < grp; ++j) {
+            const int64_t row = (r - r0) * grp + j;
+            scores_row(qf + row * D, keys, scores + row * kBlock, lo, hi, D);
           }
         }
         // Online softmax: rescale what the earlier blocks summed when the row's maximum grows.
@@ -143,15 +237,8 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
             for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
           }
         }
-        // The weighted sum of the block's values.
-        for (int64_t t = b0; t < b0 + bl; ++t) {
-          const int64_t slot = static_cast<int64_t>(row_pages[t / page_size]) * page_size + t % page_size;
-          const scalar_t* val = vp + h * vh + slot * vs;
-          for (int64_t row = 0; row < nr; ++row) {
-            const float p = scores[row * kBlock + (t - b0)];
-            if (p > 0.f) axpy(acc + row * D, p, val, D);
-          }
-        }
+        // The weighted sum of the block's values (a key a row may not see has weight 0).
+        for (int64_t row = 0; row < nr; ++row) values_row(acc + row * D, scores + row * kBlock, values, 0, bl, D);
       }
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t j = 0; j < grp; ++j) {
