@@ -13,7 +13,7 @@ from hybridkv.model_executor.cpu_kernels import fused_ops
 logger = logging.getLogger(__name__)
 
 
-_FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what cpu_kernels' RMSNorm takes
+_FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what cpu_kernels' fused ops take
 
 
 class RMSNorm(nn.Module):
@@ -61,7 +61,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE: x [T, heads, D] with cos/sin [T, 1, D]."""
-    if (x.is_cpu and x.dtype == torch.float32 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+    if (x.is_cpu and x.dtype in _FUSED_DTYPES and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
             and cos.dtype == x.dtype and (ops := fused_ops())):
         return ops.rotary(x, cos, sin)  # bit-identical to the expression below, in one pass
     half = x.shape[-1] // 2
@@ -110,7 +110,7 @@ class SiluAndMulMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.is_silu and gate_up.is_cpu and gate_up.dtype == torch.float32 and (ops := fused_ops()):
+        if self.is_silu and gate_up.is_cpu and gate_up.dtype in _FUSED_DTYPES and (ops := fused_ops()):
             return self.down_proj(ops.silu_and_mul(gate_up.view(-1, 2 * self.intermediate)).view(*x.shape[:-1], -1))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)
@@ -173,33 +173,38 @@ def cpu_supports_prepack(dtype: torch.dtype) -> bool:
 PACK_ROWS_HINT = 16
 
 
-def skinny_linear_for(weight: torch.Tensor):
-    """cpu_kernels' few-row linear for `weight`, or None where it does not apply.
+# Up to how many rows a step's linear goes through cpu_kernels' skinny_linear rather than oneDNN
+# (Zen 3, 2 threads, the demo model's projections + logits, weights from memory):
+#   float32: it streams the weights at ~28 GB/s against oneDNN's ~24 up to 4 rows; from 8 rows the
+#     two are within noise of each other (8 rows 34-39 vs 35-37 ms, 32 rows 68-80 vs 69-71), so
+#     oneDNN keeps those.
+#   bfloat16 on a CPU without native bf16: against F.linear in bf16 (3-8x slower per row than fp32
+#     at 8-32 rows) or widening the whole weight per call, the kernel widens in registers:
+#     8 rows 25.5 ms, 32 rows 84 ms, the float32 figures' range at half the bytes.
+SKINNY_ROWS_FLOAT32 = 4
+SKINNY_ROWS_HALF = 64
 
-    Decode multiplies a few rows by each weight, which is a weight stream: the kernel reads each
-    weight row once for all rows at ~28 GB/s where oneDNN's packed kernel reads ~24 (Zen 3, fp32,
-    the demo model's projections + logits, 2 threads), and reads bfloat16 weights widened in
-    registers. It serves float32 weights and bfloat16 weights on CPUs without native bf16 (the
-    measured cases); bf16 on a native-bf16 CPU stays with oneDNN's bf16 kernels."""
-    if weight.device.type != "cpu" or not weight.is_contiguous():
-        return None
-    if weight.dtype == torch.bfloat16 and cpu_computes_natively(torch.bfloat16):
-        return None
-    if weight.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    return fused_ops()
+
+def skinny_linear_for(weight: torch.Tensor):
+    """cpu_kernels' decode linear for `weight` and up to how many rows it serves, or (None, 0)."""
+    if weight.device.type != "cpu" or not weight.is_contiguous() or (ops := fused_ops()) is None:
+        return None, 0
+    if weight.dtype == torch.float32:
+        return ops, SKINNY_ROWS_FLOAT32
+    if weight.dtype == torch.bfloat16 and not cpu_computes_natively(torch.bfloat16):
+        return ops, SKINNY_ROWS_HALF  # a native-bf16 CPU keeps oneDNN's bf16 kernels (unmeasured here)
+    return None, 0
 
 
 class PackedLinearWeight:
     """A weight [N, K] prepacked for oneDNN; call it like F.linear(x, weight, bias). Inputs of
-    up to `skinny_rows` rows (decode) go through the few-row kernel when it is built here."""
+    up to `skinny_rows` rows (decode) go through cpu_kernels' skinny_linear when it is built here."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features = weight.shape[0]
         self.weight, self.bias = weight.detach(), bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS_HINT)
-        self.skinny = skinny_linear_for(self.weight)
-        self.skinny_rows = self.skinny.skinny_max_rows() if self.skinny else 0
+        self.skinny, self.skinny_rows = skinny_linear_for(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -241,14 +246,14 @@ def needs_widening(weight: torch.Tensor) -> bool:
 
 class WidenedLinearWeight:
     """F.linear(x, weight, bias) for a half-precision weight on a CPU without native half
-    compute: as it is for inputs of few rows, through float32 (result rounded back to the input
-    dtype) for inputs of min_rows rows or more."""
+    compute: a bfloat16 decode step (up to SKINNY_ROWS_HALF rows) through cpu_kernels'
+    skinny_linear, which widens the weight in registers; without it, as it is for inputs of few
+    rows. Through float32 (result rounded back to the input dtype) for inputs of more rows."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight.detach(), bias
         self.min_rows = WIDEN_MIN_ROWS * (2 if weight.numel() > LARGE_WEIGHT else 1)
-        self.skinny = skinny_linear_for(self.weight)
-        self.skinny_rows = self.skinny.skinny_max_rows() if self.skinny else 0
+        self.skinny, self.skinny_rows = skinny_linear_for(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]

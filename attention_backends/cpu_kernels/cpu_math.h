@@ -1,11 +1,49 @@
 // Vector-friendly float math shared by the CPU kernels. The loader (cpu_kernels/build.py) puts
 // this file in front of each kernel's source, so a change here rebuilds every kernel.
 #pragma once
+#include <c10/util/BFloat16.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace hybridkv_cpu {
+
+// One vector register of floats, in GCC's vector extensions: the compiler emits AVX-512 or AVX2
+// code from the ISA flags the loader passes (build.py), and plain code elsewhere.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vfloat __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t vhalf __attribute__((vector_size(kLanes * 2)));
+typedef uint32_t vuint __attribute__((vector_size(kLanes * 4)));
+
+inline vfloat load_vec(const float* p) {  // unaligned
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vfloat load_vec(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift, exact
+  vhalf h;
+  std::memcpy(&h, p, sizeof(h));
+  const vuint u = __builtin_convertvector(h, vuint) << 16;
+  vfloat v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+template <typename scalar_t>
+inline vfloat load_vec(const scalar_t* p) {  // other types (fp16): widened lane by lane
+  vfloat v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+inline float hsum(vfloat v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
 
 // exp(x) for x <= 0 (scores minus their row maximum), in plain arithmetic so that the loop over
 // a row vectorizes: Cephes' expf (range reduction to [-ln2/2, ln2/2], degree-5 polynomial, 2^n

@@ -54,29 +54,10 @@ inline void axpy(float* __restrict__ acc, float p, const scalar_t* __restrict__ 
 }
 
 // ---- vectorized block loops (head sizes that are a multiple of the vector width) ----------
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float vfloat __attribute__((vector_size(kLanes * 4)));
-
-inline vfloat load_vec(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-template <typename scalar_t>
-inline vfloat load_vec(const scalar_t* p) {  // bf16 / fp16: widened lane by lane
-  vfloat v;
-  for (int i = 0; i < kLanes; ++i) v[i] = to_float(p[i]);
-  return v;
-}
-inline float hsum(vfloat v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
+using hybridkv_cpu::hsum;
+using hybridkv_cpu::kLanes;
+using hybridkv_cpu::load_vec;
+using hybridkv_cpu::vfloat;
 
 // scores[t] = q . key[t] for t in [lo, hi): eight keys at a time, eight independent accumulator
 // chains (one dot per key would be a chain of D / kLanes dependent FMAs).

@@ -16,7 +16,7 @@ from types import ModuleType
 
 from hybridkv.attention_backends.cpu_kernels import build_cpu_extension
 
-_FUNCTIONS = ["skinny_linear", "skinny_max_rows", "rms_norm", "rotary", "silu_and_mul"]
+_FUNCTIONS = ["skinny_linear", "rms_norm", "rotary", "silu_and_mul"]
 
 
 @functools.lru_cache(maxsize=1)

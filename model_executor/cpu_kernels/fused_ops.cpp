@@ -3,9 +3,10 @@
 // A decode step of a small model on the CPU is ~30 layers x ~60 small torch ops, each a few
 // microseconds of dispatch and a fresh allocation, next to GEMVs that stream the weights. These
 // kernels do in one pass what the torch code does in several:
-//   skinny_linear  y = x W^T (+ b) for a few rows (decode): each weight row is read once for all
-//                  rows of x, at memory bandwidth; bfloat16 weights are widened in registers, so
-//                  they stream half the bytes on CPUs without native bf16 compute.
+//   skinny_linear  y = x W^T (+ b) for the rows of a decode step: each weight row is read from
+//                  memory once for all rows of x; bfloat16 weights are widened in registers, so
+//                  they stream half the bytes on CPUs without native bf16 compute (and need no
+//                  float32 copy of the weight per call).
 //   rms_norm       transformers' RMSNorm: float32 statistics, weight applied in the input dtype.
 //   rotary         rotate-half RoPE of [T, heads, D] (rows may be strided, e.g. a view of qkv).
 //   silu_and_mul   silu(gate) * up of a fused [T, 2I] gate_up projection.
@@ -17,39 +18,19 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float vfloat __attribute__((vector_size(kLanes * 4)));
-typedef uint16_t vhalf __attribute__((vector_size(kLanes * 2)));
-typedef uint32_t vuint __attribute__((vector_size(kLanes * 4)));
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline vfloat load(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift, exact
-  vhalf h;
-  std::memcpy(&h, p, sizeof(h));
-  const vuint u = __builtin_convertvector(h, vuint) << 16;
-  vfloat v;
-  std::memcpy(&v, &u, sizeof(v));
-  return v;
-}
-inline float hsum(vfloat v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
+using hybridkv_cpu::hsum;
+using hybridkv_cpu::kLanes;
+using hybridkv_cpu::vfloat;
+using hybridkv_cpu::load_vec;
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
@@ -68,9 +49,9 @@ void linear_rows(const float* x, const wt* w, const float* b, float* y, int64_t 
       for (int m = 0; m < M; ++m) acc[r][m] = vfloat{};
     for (int64_t k = 0; k < Kv; k += kLanes) {
       vfloat xv[M];
-      for (int m = 0; m < M; ++m) xv[m] = load(x + m * K + k);
+      for (int m = 0; m < M; ++m) xv[m] = load_vec(x + m * K + k);
       for (int r = 0; r < R; ++r) {
-        const vfloat wv = load(w + (n + r) * K + k);
+        const vfloat wv = load_vec(w + (n + r) * K + k);
         for (int m = 0; m < M; ++m) acc[r][m] += wv * xv[m];
       }
     }
@@ -92,32 +73,54 @@ void linear_rows(const float* x, const wt* w, const float* b, float* y, int64_t 
 // Rows per pass: enough independent weight streams to keep the loads in flight, few enough that
 // R x M accumulators stay in registers.
 template <typename wt, int M>
-void linear(const float* x, const wt* w, const float* b, float* y, int64_t K, int64_t N) {
+void linear_few(const float* x, const wt* w, const float* b, float* y, int64_t K, int64_t N) {
   constexpr int R = M == 1 ? 8 : (M == 2 ? 4 : 2);
   // Contiguous halves of the weight per thread (the hardware prefetcher follows each stream).
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { linear_rows<wt, M, R>(x, w, b, y, n0, n1, K, N); });
 }
 
+// More rows (a decode batch): per block of R weight rows, tiles of MB rows of x. The block is read
+// from memory once; a bfloat16 block is first widened into a float32 buffer in L1, so that the
+// widening is paid once per weight row, not once per tile.
+template <typename wt>
+void linear_many(const float* x, const wt* w, const float* b, float* y, int64_t M, int64_t K, int64_t N) {
+  constexpr int R = 2, MB = 4;
+  at::parallel_for(0, (N + R - 1) / R, 16, [&](int64_t b0, int64_t b1) {
+    std::vector<float> widened(std::is_same<wt, float>::value ? 0 : R * K);
+    for (int64_t n = b0 * R; n < std::min(b1 * R, N); n += R) {  // weight rows outer: each read once
+      const int64_t rows = std::min<int64_t>(R, N - n);
+      const float* wr;
+      if constexpr (std::is_same<wt, float>::value) {
+        wr = w + n * K;
+      } else {
+        for (int64_t i = 0; i < rows * K; ++i) widened[i] = to_float(w[n * K + i]);
+        wr = widened.data();
+      }
+      // rows n.. of y and b, addressed from 0 inside the call
+      const float* bn = b ? b + n : nullptr;
+      int64_t m = 0;
+      for (; m + MB <= M; m += MB) linear_rows<float, MB, R>(x + m * K, wr, bn, y + m * N + n, 0, rows, K, N);
+      for (; m < M; ++m) linear_rows<float, 1, R>(x + m * K, wr, bn, y + m * N + n, 0, rows, K, N);
+    }
+  });
+}
+
 template <typename wt>
 void linear_dispatch(const float* x, const wt* w, const float* b, float* y, int64_t M, int64_t K, int64_t N) {
   switch (M) {
-    case 1: return linear<wt, 1>(x, w, b, y, K, N);
-    case 2: return linear<wt, 2>(x, w, b, y, K, N);
-    case 3: return linear<wt, 3>(x, w, b, y, K, N);
-    case 4: return linear<wt, 4>(x, w, b, y, K, N);
+    case 1: return linear_few<wt, 1>(x, w, b, y, K, N);
+    case 2: return linear_few<wt, 2>(x, w, b, y, K, N);
+    case 3: return linear_few<wt, 3>(x, w, b, y, K, N);
+    case 4: return linear_few<wt, 4>(x, w, b, y, K, N);
   }
+  linear_many<wt>(x, w, b, y, M, K, N);
 }
 
 }  // namespace
 
-constexpr int64_t kSkinnyMaxRows = 4;
-
-int64_t skinny_max_rows() { return kSkinnyMaxRows; }
-
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "skinny_linear: x [M, K] and weight [N, K] must agree on K");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kSkinnyMaxRows, "skinny_linear takes 1..", kSkinnyMaxRows, " rows");
   TORCH_CHECK(weight.is_contiguous(), "skinny_linear: weight must be contiguous");
   TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
               "skinny_linear: weight must be float32 or bfloat16");
@@ -131,6 +134,7 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, c10::optional
     bf = bias->to(at::kFloat).contiguous();
   }
   auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0) return y.to(x.scalar_type());
   const float* b = bf.has_value() ? bf->data_ptr<float>() : nullptr;
   if (weight.scalar_type() == at::kBFloat16)
     linear_dispatch(xf.data_ptr<float>(), weight.data_ptr<c10::BFloat16>(), b, y.data_ptr<float>(), M, K, N);
@@ -188,12 +192,39 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool u
 
 // ---- rotary ----------------------------------------------------------------------------------
 
+namespace {
+// One rounding to the tensor's dtype, as each torch op does (a no-op in float32).
+template <typename scalar_t>
+inline float round_to(float v) { return static_cast<float>(static_cast<scalar_t>(v)); }
+
+template <typename scalar_t>
+void rotary_rows(const scalar_t* xp, int64_t xs, const scalar_t* cp, const scalar_t* sp, scalar_t* op, int64_t T,
+                 int64_t H, int64_t D) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const scalar_t* xr = xp + t * xs + h * D;
+        const scalar_t* c = cp + t * D;
+        const scalar_t* s = sp + t * D;
+        scalar_t* o = op + (t * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const float rotated = d < half ? -to_float(xr[d + half]) : to_float(xr[d - half]);
+          const float a = round_to<scalar_t>(to_float(xr[d]) * to_float(c[d]));
+          const float b = round_to<scalar_t>(rotated * to_float(s[d]));
+          o[d] = static_cast<scalar_t>(a + b);
+        }
+      }
+  });
+}
+}  // namespace
+
 // out = x * cos + rotate_half(x) * sin for x [T, H, D] (row stride free, heads and D contiguous),
 // cos/sin [T, 1, D] contiguous; each product rounded before the sum, as the torch expression does.
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rotary: x must be [T, H, D] with "
               "contiguous heads");
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
   TORCH_CHECK(D % 2 == 0, "rotary: odd head size");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
               "rotary: cos and sin must be contiguous [T, 1, D]");
@@ -202,50 +233,49 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   auto out = torch::empty({T, H, D}, x.options());
   AT_DISPATCH_SWITCH(x.scalar_type(), "rotary",
     AT_DISPATCH_CASE(at::kFloat, [&] {
-      const float* xp = x.data_ptr<float>();
-      const float* cp = cos.data_ptr<float>();
-      const float* sp = sin.data_ptr<float>();
-      float* op = out.data_ptr<float>();
-      const int64_t xs = x.stride(0);
-      at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t)
-          for (int64_t h = 0; h < H; ++h) {
-            const float* xr = xp + t * xs + h * D;
-            const float* c = cp + t * D;
-            const float* s = sp + t * D;
-            float* o = op + (t * H + h) * D;
-            for (int64_t d = 0; d < half; ++d) o[d] = xr[d] * c[d] + (-xr[d + half]) * s[d];
-            for (int64_t d = half; d < D; ++d) o[d] = xr[d] * c[d] + xr[d - half] * s[d];
-          }
-      });
+      rotary_rows<float>(x.data_ptr<float>(), x.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                         out.data_ptr<float>(), T, H, D);
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      rotary_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), x.stride(0), cos.data_ptr<c10::BFloat16>(),
+                                 sin.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), T, H, D);
     }));
   return out;
 }
 
 // ---- silu_and_mul ----------------------------------------------------------------------------
 
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
-              "silu_and_mul: gate_up must be a contiguous [T, 2I] tensor");
-  TORCH_CHECK(gate_up.scalar_type() == at::kFloat, "silu_and_mul: float32 only");
-  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  auto out = torch::empty({T, I}, gate_up.options());
-  const float* g = gate_up.data_ptr<float>();
-  float* o = out.data_ptr<float>();
+namespace {
+template <typename scalar_t>
+void silu_and_mul_rows(const scalar_t* g, scalar_t* o, int64_t T, int64_t I) {
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const float* gr = g + t * 2 * I;
-      const float* ur = gr + I;
-      float* orow = o + t * I;
+      const scalar_t* gr = g + t * 2 * I;
+      const scalar_t* ur = gr + I;
+      scalar_t* orow = o + t * I;
 #pragma omp simd
       for (int64_t i = 0; i < I; ++i) {
         // sigmoid from exp(-|x|) <= 1, so it never overflows: 1/(1+e) for x >= 0, e/(1+e) below
-        const float x = gr[i];
+        const float x = to_float(gr[i]);
         const float e = hybridkv_cpu::exp_nonpositive(-std::fabs(x));
         const float sigmoid = (x >= 0.f ? 1.f : e) / (1.f + e);
-        orow[i] = x * sigmoid * ur[i];
+        // silu rounded to the dtype, then the product: torch's silu(gate) * up
+        orow[i] = static_cast<scalar_t>(round_to<scalar_t>(x * sigmoid) * to_float(ur[i]));
       }
     }
   });
+}
+}  // namespace
+
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_and_mul: gate_up must be a contiguous [T, 2I] tensor");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({T, I}, gate_up.options());
+  AT_DISPATCH_SWITCH(gate_up.scalar_type(), "silu_and_mul",
+    AT_DISPATCH_CASE(at::kFloat, [&] { silu_and_mul_rows<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), T, I); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      silu_and_mul_rows<c10::BFloat16>(gate_up.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), T, I);
+    }));
   return out;
 }
