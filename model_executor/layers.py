@@ -176,11 +176,12 @@ PACK_ROWS_HINT = 16
 # Up to how many rows a step's linear goes through cpu_kernels' skinny_linear rather than oneDNN
 # (Zen 3, 2 threads, the demo model's projections + logits, weights from memory):
 #   float32: it streams the weights at ~28 GB/s against oneDNN's ~24 up to 4 rows; from 8 rows the
-#     two are within noise of each other (8 rows 34-39 vs 35-37 ms, 32 rows 68-80 vs 69-71), so
-#     oneDNN keeps those.
+#     tiled variants tried were no faster (8 rows 33.7-46.5 ms against oneDNN's 34.8-38.2 in the
+#     same runs, 32 rows 67.7-111 against 68.9-84.1), so oneDNN keeps those.
 #   bfloat16 on a CPU without native bf16: against F.linear in bf16 (3-8x slower per row than fp32
-#     at 8-32 rows) or widening the whole weight per call, the kernel widens in registers:
-#     8 rows 25.5 ms, 32 rows 84 ms, the float32 figures' range at half the bytes.
+#     at 8-32 rows) or widening the whole weight per call, the kernel widens each weight row once,
+#     in registers or an L1 buffer: the demo model's batch-32 decode step 221-232 -> 125-128 ms
+#     (float32: 109), batch 8 127-128 -> 56-60 ms (float32: 55).
 SKINNY_ROWS_FLOAT32 = 4
 SKINNY_ROWS_HALF = 64
 
