@@ -10,10 +10,11 @@
 //   rms_norm       transformers' RMSNorm: float32 statistics, weight applied in the input dtype.
 //   rotary         rotate-half RoPE of [T, heads, D] (rows may be strided, e.g. a view of qkv).
 //   silu_and_mul   silu(gate) * up of a fused [T, 2I] gate_up projection.
-// Each is held to the torch expression it replaces by tests (tests/model_executor/test_cpu_kernels.py).
-// exp_nonpositive comes from attention_backends/cpu_kernels/cpu_math.h, which the loader puts in
-// front of this file. Built with -ffp-contract=off so that a*b + c*d rounds as torch's separate ops do: rotary is then
-// bit-identical to the torch expression, and the others differ only in summation order or exp.
+// Each is held to the torch expression it replaces by tests/model_executor/test_fused_cpu_ops.py.
+// exp_nonpositive and the vector helpers come from attention_backends/cpu_kernels/cpu_math.h,
+// which the loader puts in front of this file. Built with -ffp-contract=off, so that a*b + c*d
+// rounds as torch's separate ops do: rotary is then bit-identical to the torch expression, and
+// the others differ only in summation order or in exp.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
