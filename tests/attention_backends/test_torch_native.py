@@ -212,7 +212,8 @@ def test_cpu_paged_kernel_matches_the_tiles_on_long_gqa_decodes(dtype, window):
 
 
 @pytest.mark.parametrize("window", [-1, 5])
-def test_cpu_paged_kernel_groups_of_consecutive_queries_are_causal(window):
+@pytest.mark.parametrize("D", [8, 32, 64])  # 8: the plain loops; 32 / 64: the vectorized block loops
+def test_cpu_paged_kernel_groups_of_consecutive_queries_are_causal(window, D):
     """A kernel group of several rows (consecutive positions of one sequence, the shape of a short
     prefill chunk) gives each row only the keys up to its own position and inside its own window,
     against attention written from the definition; keys after the last row are NaN (unwritten)."""
