@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from hybridkv.attention_backends.cpu_kernels import load_indexer_topk
 from hybridkv.attention_backends.hisparse_reads import HiSparseLayer, select_from_buffer, swap_in
 from hybridkv.attention_backends.hybrid_metadata import HybridAttentionMetadata, KeySet, QueryBlock
 
@@ -333,6 +334,34 @@ def indexer_topk(indexer: IndexerQuery, rows: slice, iks: KeySet, k: int, key_bl
     return select_topk(scores, k)
 
 
+# Indexer heads the fused CPU kernel takes (8 vectors of 8 lanes on AVX2: V4-Flash has 64).
+FUSED_INDEXER_MAX_HEADS = 64
+
+
+def cpu_indexer_topk(indexer: IndexerQuery, rows: slice, iks: KeySet, k: int, key_block: int | None = None) -> torch.Tensor:
+    """indexer_topk through the fused C++ kernel (cpu_kernels/indexer_topk.cpp) where it applies:
+    CPU caches in float32 or bfloat16, a causal key set with shared slots or in page form, at
+    most FUSED_INDEXER_MAX_HEADS heads. It scores, applies ReLU and the head sum, and keeps a
+    running top-k per row in one pass over the keys read in place, so neither [rows, heads,
+    entries] scores nor a top-k over [rows, entries] ever exist. The selection rule is
+    select_topk's; the scores differ from the torch path's only in summation order. Elsewhere
+    (no compiler, HYBRIDKV_CPU_KERNELS=0, other devices or forms) indexer_topk runs."""
+    kernel = load_indexer_topk() if indexer.keys.device.type == "cpu" else None
+    keys, n = indexer.keys, rows.stop - rows.start
+    if (kernel is None or iks.visible is None or not (iks.shared or iks.pages is not None) or n == 0
+            or keys.dtype not in (torch.float32, torch.bfloat16) or keys.dim() != 2 or not keys.is_contiguous()
+            or indexer.q.shape[1] > FUSED_INDEXER_MAX_HEADS or not 1 <= k <= iks.length):
+        return indexer_topk(indexer, rows, iks, k, key_block)
+    q = indexer.q[rows].float().contiguous()
+    w = indexer.weights[rows].float().contiguous()
+    empty = torch.empty(0, dtype=torch.long)
+    slots = empty if iks.pages is not None else iks.slots.long().contiguous()
+    pages = empty if iks.pages is None else iks.pages.long().contiguous()
+    visible = iks.visible.long().contiguous()
+    with torch.profiler.record_function("hybridkv::cpu_indexer_topk"):  # named in profiles (not an aten op)
+        return kernel(q, w, keys, slots, pages, iks.slots_per_page, visible, iks.length, k, float(indexer.scale))
+
+
 def _logits(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
     """q [n, H, D], keys [L, D] or [n, L, D] -> [n, H, L]."""
     if keys.dim() == 2:
@@ -453,5 +482,5 @@ class HybridV4Attention:
         return entry_cache, ks.take(idx)
 
     write = staticmethod(write_slots)  # cache rows into their slots; the Triton backend writes by kernel
-    topk = staticmethod(indexer_topk)  # the Triton backend scores with its kernel
+    topk = staticmethod(cpu_indexer_topk)  # the Triton backend scores with its kernel
     swap_in = staticmethod(swap_in)  # HiSparse's hot-buffer swap-in; the Triton backend fuses it in one kernel

@@ -98,7 +98,9 @@ def prefill_flops(llm: LLM, T: int) -> dict[str, float]:
 def transient_bound_mib(llm: LLM, chunk: int) -> float:
     """What the block sizes allow a prefill step beyond the KV pools and weights (float32):
     the chunk's activations (hidden x hc_mult streams, q/k heads, MoE, ~16 live [chunk, width]
-    tensors of the widest width) plus one query block's indexer and attention intermediates."""
+    tensors of the widest width) plus one query block's indexer and attention intermediates. The
+    indexer term is the torch path's score tensors; the fused CPU kernel (cpu_kernels/indexer_topk.cpp)
+    holds less -- one packed key block (~128 KB) per thread and 2k + 256 candidates per row."""
     from hybridkv.attention_backends import hybrid_v4
 
     cfg = llm.engine.runner.model.cfg
@@ -127,13 +129,29 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def measure(llm: LLM, context: int, steps: int, repeats: int, seed: int) -> dict:
-    """Prefill `context` tokens, then time `repeats` runs of `steps` decode steps."""
+PROFILE_STEPS = 8
+
+
+def profile_decode(llm: LLM, steps: int = PROFILE_STEPS, top: int = 12) -> list[tuple[str, float, int]]:
+    """(op, self CPU ms per step, calls per step) of the `top` costliest ops over `steps` decode
+    steps of what is running, from torch.profiler; "(step total)" first."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            llm.engine.step()
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in ops) / 1e3 / steps
+    return [("(step total, self CPU)", total, 0)] + [
+        (e.key, e.self_cpu_time_total / 1e3 / steps, e.count // steps) for e in ops[:top]]
+
+
+def measure(llm: LLM, context: int, steps: int, repeats: int, seed: int, profile: bool = False) -> dict:
+    """Prefill `context` tokens, then time `repeats` runs of `steps` decode steps (then profile
+    PROFILE_STEPS more steps when `profile`)."""
     eng = llm.engine
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, eng.runner.config.vocab_size, (context,), generator=g).tolist()
     rid = f"ctx{context}"
-    params = SamplingParams(temperature=0, max_tokens=steps * repeats + 3, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=steps * repeats + 3 + PROFILE_STEPS * profile, ignore_eos=True)
     rss0 = rss_mib()
     t0 = time.perf_counter()
     eng.add_request(rid, {"prompt_token_ids": prompt}, params)
@@ -152,11 +170,12 @@ def measure(llm: LLM, context: int, steps: int, repeats: int, seed: int) -> dict
             eng.step()
             step_s.append(time.perf_counter() - t2)
         runs.append(steps / (time.perf_counter() - t1))
+    profiled = profile_decode(llm) if profile else None
     while eng.has_unfinished_requests():
         eng.step()
     # The median step: a shared 2-core VM's bursts of noise hit some steps, not the median.
     return dict(context=context, decode=1 / statistics.median(step_s), runs=runs, prefill_s=prefill_s,
-                bytes=bytes_held, peak_rss=peak, rss_before=rss0)
+                bytes=bytes_held, peak_rss=peak, rss_before=rss0, profile=profiled)
 
 
 def v4_flash_bytes_per_token(context: int) -> tuple[float, float]:
@@ -188,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--index-heads", type=int, default=8)
     ap.add_argument("--index-dim", type=int, default=64)
     ap.add_argument("--model", default=None, help="a V4 checkpoint folder (default: build the tiny one)")
+    ap.add_argument("--profile", action="store_true",
+                    help=f"also profile {PROFILE_STEPS} decode steps at each context and at the reference")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     gemm = gemm_gflops(args.threads)
@@ -203,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         # A reference decode at args.ref_context is measured again right after every context: this
         # VM's speed drifts by +-25% over minutes, so each context is compared with the
         # reference measured next to it (the mean of the one before and the one after).
-        ref_before = measure(llm, args.ref_context, args.decode_steps, args.repeats, seed=1000)["decode"]
+        first_ref = measure(llm, args.ref_context, args.decode_steps, args.repeats, seed=1000, profile=args.profile)
+        ref_before = first_ref["decode"]
         for i, ctx in enumerate(args.contexts):
-            r = measure(llm, ctx, args.decode_steps, args.repeats, seed=i)
+            r = measure(llm, ctx, args.decode_steps, args.repeats, seed=i, profile=args.profile)
             ref_after = measure(llm, args.ref_context, args.decode_steps, args.repeats, seed=1000 + i + 1)["decode"]
             r["ref"] = (ref_before + ref_after) / 2
             ref_before = ref_after
@@ -245,6 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     for ctx in (4096, 65536, 1 << 20):
         v4, dense = v4_flash_bytes_per_token(ctx)
         print(f"  context {ctx:>8}: V4 layout {v4:8.0f} B/token vs dense {dense} B/token ({v4 / dense:.3f}x)")
+    if args.profile:
+        print()
+        for r in [first_ref] + rows:
+            print(f"profile of one decode step at context {r['context']} (torch.profiler, {PROFILE_STEPS} steps; "
+                  "self CPU ms per step, calls per step):")
+            for name, ms, calls in r["profile"]:
+                print(f"  {ms:8.3f} ms  {calls:>5}  {name}")
     fields = [f"decode_{r['context']}={r['decode']:.2f}" for r in rows]
     fields += [f"decode_x_{r['context']}={r['decode'] / r['ref']:.3f}" for r in rows]
     fields += [f"gemm_x_{r['context']}={sum(r['flops'].values()) / r['prefill_s'] / 1e9 / gemm:.3f}" for r in rows]

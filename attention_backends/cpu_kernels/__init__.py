@@ -1,5 +1,9 @@
 """C++ attention kernels for the CPU, compiled on this machine on first use (build.py says how).
 
+`indexer_topk` (indexer_topk.cpp) is DeepSeek-V4's lightning indexer fused: scoring, ReLU, head
+sum and a running top-k in one pass over the keys read in place (hybrid_v4.cpu_indexer_topk
+routes to it, with hybrid_v4.indexer_topk as its fallback and reference).
+
 `paged_attention` (paged_attention.cpp) attends short query groups -- decodes, and short prefill
 chunks after a prefix -- by reading K/V in place through the block table: no gather of every key
 slot into a temporary, and no per-key slot list built on the host each step. The torch-only
@@ -18,7 +22,7 @@ import torch
 
 from hybridkv.attention_backends.cpu_kernels.build import ENV_SWITCH, build_cpu_extension, kernels_enabled
 
-__all__ = ["ENV_SWITCH", "build_cpu_extension", "kernels_enabled", "load_paged_attention"]
+__all__ = ["ENV_SWITCH", "build_cpu_extension", "kernels_enabled", "load_indexer_topk", "load_paged_attention"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -28,3 +32,12 @@ def load_paged_attention() -> Callable[..., torch.Tensor] | None:
     module = build_cpu_extension("hybridkv_paged_attention", Path(__file__).with_name("paged_attention.cpp"),
                                  ["paged_attention"], "CPU paged-attention kernel")
     return None if module is None else module.paged_attention
+
+
+@functools.lru_cache(maxsize=1)
+def load_indexer_topk() -> Callable[..., torch.Tensor] | None:
+    """The compiled `indexer_topk(q, w, key_cache, slots, pages, slots_per_page, visible, length, k,
+    scale) -> idx`, or None when it cannot be built here."""
+    module = build_cpu_extension("hybridkv_indexer_topk", Path(__file__).with_name("indexer_topk.cpp"),
+                                 ["indexer_topk"], "CPU lightning-indexer kernel")
+    return None if module is None else module.indexer_topk

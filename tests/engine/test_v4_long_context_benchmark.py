@@ -11,13 +11,17 @@ from bench_runner import load_benchmark, result_fields
 @pytest.mark.slow
 def test_v4_long_context_benchmark_short_contexts(capsys):
     bench = load_benchmark("v4_long_context")
-    rc = bench.main(["--contexts", "256", "700", "--decode-steps", "2", "--repeats", "1", "--threads", "1", "--ref-context", "512"])
+    rc = bench.main(["--contexts", "256", "700", "--decode-steps", "2", "--repeats", "1", "--threads", "1", "--ref-context", "512",
+                     "--profile"])
     out = capsys.readouterr().out
     res = result_fields(out)
     assert rc == 0, out
     for ctx in (256, 700):
         assert float(res[f"decode_{ctx}"]) > 0 and float(res[f"gemm_x_{ctx}"]) > 0, res
     assert "family" in out and "GFLOP/s" in out
+    for ctx in (512, 256, 700):  # the reference's profile, then each context's
+        assert f"profile of one decode step at context {ctx} " in out, out
+    assert out.count("(step total, self CPU)") == 3, out
 
 
 def test_prefill_flop_model_grows_quadratically_in_the_indexer_only():

@@ -179,6 +179,37 @@ def test_preemption_under_a_tight_budget_keeps_outputs(v4_ckpt):
 
 
 @pytest.mark.slow
+def test_fused_cpu_indexer_matches_transformers(v4_ckpt, monkeypatch):
+    """The fused CPU indexer kernel (cpu_kernels/indexer_topk.cpp) picks the top-k C4 entries of
+    prefill blocks (shared slot lists) and of decode rows (page form): logits and tokens must
+    be transformers' at every position, with a long and a short prompt in one batch."""
+    from hybridkv.attention_backends import hybrid_v4
+    from hybridkv.attention_backends.cpu_kernels import kernels_enabled, load_indexer_topk
+
+    if not kernels_enabled():
+        pytest.skip("CPU kernels switched off (HYBRIDKV_CPU_KERNELS=0)")
+    kernel = load_indexer_topk()
+    assert kernel is not None, "the CPU indexer kernel did not build on this machine"
+    forms = []
+
+    def spy(q, w, keys, slots, pages, spp, visible, length, k, scale):
+        forms.append("pages" if pages.numel() else "slots")
+        return kernel(q, w, keys, slots, pages, spp, visible, length, k, scale)
+
+    monkeypatch.setattr(hybrid_v4, "load_indexer_topk", lambda: spy)
+    path, block_size = v4_ckpt("yarn_w40_p32")
+    llm = _llm(path, block_size)
+    vocab = llm.engine.runner.config.vocab_size
+    prompts = {"long": _prompt(1000, vocab, seed=5), "short": _prompt(70, vocab, seed=6)}
+    logits, tokens = _run(llm, prompts, max_tokens=10)
+    assert {"pages", "slots"} <= set(forms), forms
+    for rid, ids in prompts.items():
+        ref = _reference(path, (ids + tokens[rid])[:-1])
+        torch.testing.assert_close(logits[rid], ref, atol=ATOL, rtol=0)
+        assert tokens[rid] == ref[len(ids) - 1 :].argmax(-1).tolist(), rid
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("run_entries", [1, 16])
 def test_decode_reading_indexer_keys_in_place_matches_transformers(v4_ckpt, monkeypatch, run_entries):
     """Decode rows whose indexer pages are runs of consecutive pages score the key cache in
@@ -188,6 +219,7 @@ def test_decode_reading_indexer_keys_in_place_matches_transformers(v4_ckpt, monk
     from hybridkv.attention_backends import hybrid_v4
 
     monkeypatch.setattr(hybrid_v4, "IN_PLACE_RUN_ENTRIES", run_entries)
+    monkeypatch.setattr(hybrid_v4, "load_indexer_topk", lambda: None)  # the torch indexer (the kernel's fallback)
     calls = []
     real = hybrid_v4._per_query_scores_chunked
 

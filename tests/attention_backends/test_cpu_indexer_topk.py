@@ -1,0 +1,160 @@
+"""The fused CPU lightning indexer (cpu_kernels/indexer_topk.cpp, routed by
+hybrid_v4.cpu_indexer_topk) picks exactly what the torch indexer (hybrid_v4.indexer_topk) picks.
+
+Integer-valued queries, weights and keys make every score exact whatever the summation order,
+so the two must agree entry for entry, ties included (ReLU makes exact ties common): shared
+slot lists and page-form decode rows, causal prefixes shorter than k, every head-vector count
+the kernel is compiled for, row chunks and entry segments split over threads, float32 and
+bfloat16 keys. On random data the scores round differently, so there the kernel's choice is
+checked against float64 scores to rounding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.attention_backends import hybrid_v4
+from hybridkv.attention_backends.cpu_kernels import kernels_enabled, load_indexer_topk
+from hybridkv.attention_backends.hybrid_metadata import INDEXER, KeySet
+from hybridkv.attention_backends.hybrid_v4 import HybridV4Attention, IndexerQuery, cpu_indexer_topk, indexer_topk
+
+kernel = load_indexer_topk()
+pytestmark = pytest.mark.skipif(not kernels_enabled(), reason="CPU kernels switched off (HYBRIDKV_CPU_KERNELS=0)")
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    # CI installs g++: a failed build fails these tests instead of skipping them.
+    assert kernel is not None, "the CPU indexer kernel did not build on this machine (g++ and ninja installed?)"
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    n = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(n)
+
+
+def _exact(g, *shape):
+    return torch.randint(-2, 3, shape, generator=g).float()
+
+
+def _query(g, n, heads, c, cache, k):
+    return IndexerQuery(_exact(g, n, heads, c), _exact(g, n, heads) / 4, cache, INDEXER, k, 0.25)
+
+
+@pytest.mark.parametrize("heads,c", [(1, 8), (3, 5), (4, 16), (8, 64), (16, 16), (20, 12), (64, 16)])
+def test_shared_slots_pick_exactly_the_torch_entries(heads, c, threads):
+    """Prefill form: one slot list shared by the block's rows, each row a causal prefix of it
+    (some shorter than k, one empty), rows spanning several row chunks."""
+    g = torch.Generator().manual_seed(heads * 100 + c)
+    n, L, slots = 37, 700, 900
+    cache = _exact(g, slots, c)
+    for k in (1, 7, 64):
+        iq = _query(g, n, heads, c, cache, k)
+        visible = torch.randint(0, L + 1, (n,), generator=g)
+        visible[:3] = torch.tensor([0, 3, L])
+        for slot_list in (torch.randperm(slots, generator=g)[:L], torch.arange(100, 100 + L)):
+            ks = KeySet(slot_list, visible=visible)
+            got = cpu_indexer_topk(iq, slice(0, n), ks, k)
+            assert torch.equal(got, indexer_topk(iq, slice(0, n), ks, k)), (heads, c, k)
+
+
+def test_rows_of_a_larger_batch_are_taken_from_the_rows_slice():
+    g = torch.Generator().manual_seed(1)
+    n, heads, c, L, k = 30, 8, 16, 300, 9
+    cache = _exact(g, 400, c)
+    iq = _query(g, n, heads, c, cache, k)
+    ks = KeySet(torch.randperm(400, generator=g)[:L], visible=torch.randint(0, L + 1, (12,), generator=g))
+    rows = slice(10, 22)
+    assert torch.equal(cpu_indexer_topk(iq, rows, ks, k), indexer_topk(iq, rows, ks, k))
+
+
+def test_page_form_decode_rows_pick_exactly_the_torch_entries(threads):
+    """Decode form: each row its own pages (runs, scattered, a partial last page, nothing
+    visible), long enough that a lone row's entries are split into segments across threads
+    and their top-k sets merged."""
+    g = torch.Generator().manual_seed(7)
+    spp, heads, c, num_pages = 16, 8, 32, 400
+    cache = _exact(g, num_pages * spp, c)
+    width = 150
+    runs = torch.arange(10, 10 + width)
+    scattered = torch.randperm(num_pages - 1, generator=g)[:width] + 1
+    for k in (1, 16, 100):
+        for rows, visible in (([runs], [width * spp]), ([scattered], [width * spp - 5]),
+                              ([runs, scattered, runs.flip(0), torch.ones(width, dtype=torch.long)],
+                               [2000, width * spp, 77, 0])):
+            pages = torch.stack(rows)
+            vis = torch.tensor(visible)
+            n = pages.shape[0]
+            iq = _query(g, n, heads, c, cache, k)
+            ks = KeySet(pages=pages, slots_per_page=spp, length=int(vis.max()), visible=vis)
+            got = cpu_indexer_topk(iq, slice(0, n), ks, k)
+            assert torch.equal(got, indexer_topk(iq, slice(0, n), ks, k)), (k, visible)
+
+
+def test_bfloat16_keys_are_widened_exactly():
+    g = torch.Generator().manual_seed(3)
+    n, heads, c, L, k = 20, 16, 16, 500, 12
+    cache = _exact(g, 600, c).bfloat16()
+    iq = _query(g, n, heads, c, cache, k)
+    ks = KeySet(torch.randperm(600, generator=g)[:L], visible=torch.randint(0, L + 1, (n,), generator=g))
+    assert torch.equal(cpu_indexer_topk(iq, slice(0, n), ks, k), indexer_topk(iq, slice(0, n), ks, k))
+
+
+def test_random_data_picks_the_top_k_to_rounding(threads):
+    """Real-valued scores round differently from the torch matmul, so compare with float64:
+    every picked entry scores at least the true k-th score (minus rounding), the picks are
+    distinct, visible and ascending."""
+    g = torch.Generator().manual_seed(11)
+    n, heads, c, L, k = 64, 8, 64, 3000, 64
+    cache = torch.randn(L, c, generator=g)
+    q, w = torch.randn(n, heads, c, generator=g), torch.randn(n, heads, generator=g) / heads ** 0.5
+    iq = IndexerQuery(q, w, cache, INDEXER, k, c ** -0.5)
+    visible = torch.randint(k, L + 1, (n,), generator=g)
+    ks = KeySet(torch.arange(L), visible=visible)
+    got = cpu_indexer_topk(iq, slice(0, n), ks, k)
+    exact = torch.einsum("nh,nhl->nl", w.double(), torch.einsum("nhc,lc->nhl", q.double(), cache.double()).relu()) * c ** -0.5
+    exact = exact.masked_fill(~ks.mask, float("-inf"))
+    kth = exact.topk(k, dim=1).values[:, -1:]
+    assert bool((got[:, 1:] > got[:, :-1]).all()), "indices must be distinct and ascending"
+    assert bool((got < visible[:, None]).all())
+    assert bool((exact.gather(1, got) >= kth - 1e-5).all())
+    agree = (got == indexer_topk(iq, slice(0, n), ks, k)).float().mean().item()
+    assert agree > 0.99, agree  # rounding may swap a near-tie at the boundary, rarely
+
+
+def test_the_backend_routes_supported_key_sets_to_the_kernel_and_the_rest_to_torch(monkeypatch):
+    """HybridV4Attention.topk is cpu_indexer_topk: a causal shared or page-form key set runs the
+    kernel; an explicit-mask key set, per-query slot lists or too many heads run indexer_topk."""
+    g = torch.Generator().manual_seed(5)
+    calls = []
+    real = hybrid_v4.indexer_topk
+    monkeypatch.setattr(hybrid_v4, "indexer_topk", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    assert HybridV4Attention.topk is cpu_indexer_topk
+    n, c, L, k = 4, 8, 50, 5
+    cache = _exact(g, 64, c)
+    visible = torch.tensor([50, 10, 3, 0])
+    iq = _query(g, n, 4, c, cache, k)
+    HybridV4Attention.topk(iq, slice(0, n), KeySet(torch.arange(L), visible=visible), k)
+    pages = torch.tensor([[1, 2, 3, 4, 5, 6, 7]] * n)
+    HybridV4Attention.topk(iq, slice(0, n), KeySet(pages=pages, slots_per_page=8, length=L, visible=visible), k)
+    assert calls == []
+    HybridV4Attention.topk(iq, slice(0, n), KeySet(torch.arange(L).expand(n, L), visible=visible), k)
+    HybridV4Attention.topk(iq, slice(0, n), KeySet(torch.arange(L), explicit_mask=torch.ones(n, L, dtype=torch.bool)), k)
+    wide = _query(g, n, hybrid_v4.FUSED_INDEXER_MAX_HEADS + 1, c, cache, k)
+    HybridV4Attention.topk(wide, slice(0, n), KeySet(torch.arange(L), visible=visible), k)
+    assert len(calls) == 3
+
+
+def test_bad_arguments_raise_errors_that_name_them():
+    q, w, cache = torch.zeros(2, 4, 8), torch.zeros(2, 4), torch.zeros(10, 8)
+    slots, empty, vis = torch.arange(10), torch.empty(0, dtype=torch.long), torch.tensor([10, 5])
+    with pytest.raises(RuntimeError, match="k must be in"):
+        kernel(q, w, cache, slots, empty, 0, vis, 10, 11, 1.0)
+    with pytest.raises(RuntimeError, match="visible"):
+        kernel(q, w, cache, slots, empty, 0, torch.tensor([11, 5]), 10, 3, 1.0)
+    with pytest.raises(RuntimeError, match="key_cache"):
+        kernel(q, w, torch.zeros(10, 7), slots, empty, 0, vis, 10, 3, 1.0)
+    with pytest.raises(RuntimeError, match="sees past its pages"):
+        kernel(q, w, cache, empty, torch.tensor([[0], [1]]), 4, torch.tensor([5, 4]), 10, 3, 1.0)
