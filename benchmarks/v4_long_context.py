@@ -5,18 +5,22 @@ indexer of 8 heads x 64 dims, between the tests' toy and V4-Flash's 64 x 128), t
 context length prefills one prompt of that length and times single-sequence greedy decode.
 
 Decode: tok/s is 1 / the median step time over --repeats runs of --decode-steps steps (the
-runs' own rates are printed too), as a ratio to a 4k-token reference decode measured right
-before and right after it (this VM's speed drifts over minutes), and to the first context; the
-seeds' claim is < 10% slower from 4k to 900k. Prefill: the floating-point operations the prefill must do are counted from
+runs' own rates are printed too), as a ratio to a 4k-token reference decode held in a second
+engine on the same model and stepped alternately with it (ABBA), so that both see the same
+seconds of this VM's drifting speed, and to the first context; the seeds' claim is < 10%
+slower from 4k to 900k. --profile adds torch.profiler's view of a decode step at each context
+and at the reference (what is left that grows with context). --torch-indexer runs the torch
+indexer instead of the fused CPU kernel (the A/B). Prefill: the floating-point operations the prefill must do are counted from
 the config (projections incl. the routed experts and hyper-connections, the lightning
 indexer's scoring of every causal C4 entry, and attention over the SWA window, the top-k C4
 and all causal C128 entries), divided by the measured prefill time, and shown against the fp32
-GEMM throughput measured in the same run (a 2048^3 matmul on the same threads). Peak RSS is
+GEMM throughput measured right before and right after that prefill (a 2048^3 matmul on the
+same threads). Peak RSS is
 reported with the bound the block sizes give the transient memory (independent of context).
 Also: KV bytes per token the engine holds (all five spaces) vs a dense cache, and the same
 arithmetic at DeepSeek-V4-Flash dimensions.
 
-    python benchmarks/v4_long_context.py [--contexts 1024 4096 16384 65536 131072] [--threads 2]
+    python benchmarks/v4_long_context.py [--contexts 1024 4096 16384 65536 131072] [--threads 2] [--profile]
 """
 from __future__ import annotations
 
@@ -144,38 +148,62 @@ def profile_decode(llm: LLM, steps: int = PROFILE_STEPS, top: int = 12) -> list[
         (e.key, e.self_cpu_time_total / 1e3 / steps, e.count // steps) for e in ops[:top]]
 
 
-def measure(llm: LLM, context: int, steps: int, repeats: int, seed: int, profile: bool = False) -> dict:
-    """Prefill `context` tokens, then time `repeats` runs of `steps` decode steps (then profile
-    PROFILE_STEPS more steps when `profile`)."""
+def start(llm: LLM, context: int, seed: int, max_tokens: int) -> dict:
+    """Prefill a random `context`-token prompt (ends with its first sampled token) and take one
+    untimed decode step."""
     eng = llm.engine
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, eng.runner.config.vocab_size, (context,), generator=g).tolist()
-    rid = f"ctx{context}"
-    params = SamplingParams(temperature=0, max_tokens=steps * repeats + 3 + PROFILE_STEPS * profile, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     rss0 = rss_mib()
     t0 = time.perf_counter()
-    eng.add_request(rid, {"prompt_token_ids": prompt}, params)
+    eng.add_request(f"ctx{context}", {"prompt_token_ids": prompt}, params)
     req = eng.scheduler.waiting[0]
-    while req.num_output_tokens < 1:  # the prefill ends with the first sampled token
+    while req.num_output_tokens < 1:
         eng.step()
     prefill_s = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    eng.step()  # one untimed decode step
-    bytes_held = held_bytes(llm, req.request_id)  # the engine's sequence id (a child of rid)
-    runs, step_s = [], []
+    eng.step()
+    return dict(context=context, prefill_s=prefill_s, peak_rss=peak, rss_before=rss0,
+                bytes=held_bytes(llm, req.request_id))  # the engine's sequence id (a child of the request's)
+
+
+def finish(llm: LLM) -> None:
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+
+
+def measure(llm: LLM, ref_llm: LLM, context: int, ref_context: int, steps: int, repeats: int, seed: int,
+            profile: bool = False) -> dict:
+    """Prefill `context` tokens in llm and `ref_context` tokens in ref_llm (a second engine on the
+    same model), then time `repeats` runs of `steps` decode steps of each, interleaved step by
+    step (ABBA order): this VM's speed drifts by +-25% over minutes, so the reference is measured
+    in the same seconds as the context it is compared with. Decode rates are 1 / the median step
+    (a shared 2-core VM's bursts of noise hit some steps, not the median). The prefill is
+    compared with the GEMM rate measured right before and right after it, for the same reason."""
+    budget = steps * repeats + 3 + PROFILE_STEPS * profile
+    threads = torch.get_num_threads()
+    gemm_before = gemm_gflops(threads)
+    r = start(llm, context, seed, budget)
+    r["gemm"] = (gemm_before + gemm_gflops(threads)) / 2  # the GEMM rate next to this prefill
+    start(ref_llm, ref_context, seed + 1000, budget)
+    step_s: dict[int, list[float]] = {0: [], 1: []}
+    runs = []
     for _ in range(repeats):
-        t1 = time.perf_counter()
-        for _ in range(steps):
-            t2 = time.perf_counter()
-            eng.step()
-            step_s.append(time.perf_counter() - t2)
-        runs.append(steps / (time.perf_counter() - t1))
-    profiled = profile_decode(llm) if profile else None
-    while eng.has_unfinished_requests():
-        eng.step()
-    # The median step: a shared 2-core VM's bursts of noise hit some steps, not the median.
-    return dict(context=context, decode=1 / statistics.median(step_s), runs=runs, prefill_s=prefill_s,
-                bytes=bytes_held, peak_rss=peak, rss_before=rss0, profile=profiled)
+        spent = 0.0
+        for i in range(steps):
+            for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+                t = time.perf_counter()
+                (llm if which == 0 else ref_llm).engine.step()
+                step_s[which].append(time.perf_counter() - t)
+                spent += step_s[which][-1] * (which == 0)
+        runs.append(steps / spent)
+    r["profile"] = profile_decode(llm) if profile else None
+    r["ref_profile"] = profile_decode(ref_llm) if profile else None
+    finish(llm)
+    finish(ref_llm)
+    r.update(decode=1 / statistics.median(step_s[0]), ref=1 / statistics.median(step_s[1]), runs=runs)
+    return r
 
 
 def v4_flash_bytes_per_token(context: int) -> tuple[float, float]:
@@ -202,42 +230,47 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-steps", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ref-context", type=int, default=4096, help="the reference decode measured next to each context")
+    ap.add_argument("--ref-context", type=int, default=4096,
+                    help="the reference decode, in a second engine, interleaved step by step with each context's")
     ap.add_argument("--chunk", type=int, default=4096, help="max_num_batched_tokens (the prefill chunk)")
     ap.add_argument("--index-heads", type=int, default=8)
     ap.add_argument("--index-dim", type=int, default=64)
     ap.add_argument("--model", default=None, help="a V4 checkpoint folder (default: build the tiny one)")
+    ap.add_argument("--torch-indexer", action="store_true",
+                    help="score the indexer with the torch path instead of the fused CPU kernel (the A/B)")
     ap.add_argument("--profile", action="store_true",
                     help=f"also profile {PROFILE_STEPS} decode steps at each context and at the reference")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.torch_indexer:
+        from hybridkv.attention_backends import hybrid_v4
+
+        hybrid_v4.load_indexer_topk = lambda: None  # cpu_indexer_topk then runs indexer_topk
     gemm = gemm_gflops(args.threads)
     print(f"CPU: {cpu_features().describe()}; torch {torch.__version__}, {args.threads} threads; "
           f"fp32 GEMM (2048^3) {gemm:.1f} GFLOP/s", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or build_checkpoint(os.path.join(tmp, "v4"), args.index_heads, args.index_dim)
-        max_len = max(max(args.contexts), args.ref_context) + args.decode_steps * args.repeats + 8
+        max_len = max(max(args.contexts), args.ref_context) + args.decode_steps * args.repeats + PROFILE_STEPS + 8
         llm = LLM(path, dtype="float32", max_model_len=max_len, max_num_seqs=1, max_num_batched_tokens=args.chunk)
+        ref_len = args.ref_context + args.decode_steps * args.repeats + PROFILE_STEPS + 8
+        ref_llm = LLM(path, dtype="float32", max_model_len=ref_len, max_num_seqs=1,
+                      max_num_batched_tokens=args.chunk)
         cfg = llm.engine.runner.model.cfg
-        measure(llm, min(512, min(args.contexts)), 4, 1, seed=99)  # warm-up: first calls of every op
+        # warm-up: first calls of every op, in both engines
+        measure(llm, ref_llm, min(512, min(args.contexts)), min(512, args.ref_context), 4, 1, seed=99)
         rows = []
-        # A reference decode at args.ref_context is measured again right after every context: this
-        # VM's speed drifts by +-25% over minutes, so each context is compared with the
-        # reference measured next to it (the mean of the one before and the one after).
-        first_ref = measure(llm, args.ref_context, args.decode_steps, args.repeats, seed=1000, profile=args.profile)
-        ref_before = first_ref["decode"]
         for i, ctx in enumerate(args.contexts):
-            r = measure(llm, ctx, args.decode_steps, args.repeats, seed=i, profile=args.profile)
-            ref_after = measure(llm, args.ref_context, args.decode_steps, args.repeats, seed=1000 + i + 1)["decode"]
-            r["ref"] = (ref_before + ref_after) / 2
-            ref_before = ref_after
+            r = measure(llm, ref_llm, ctx, args.ref_context, args.decode_steps, args.repeats, seed=i,
+                        profile=args.profile)
             r["flops"] = prefill_flops(llm, ctx)
             rows.append(r)
             runs = " ".join(f"{x:.1f}" for x in r["runs"])
             print(f"  context {ctx:>6}: decode {r['decode']:6.1f} tok/s (runs {runs}; {args.ref_context}-token reference "
-                  f"next to it {r['ref']:.1f}), prefill {r['prefill_s']:.1f} s, peak RSS {r['peak_rss']:.0f} MiB",
+                  f"interleaved with it {r['ref']:.1f}), prefill {r['prefill_s']:.1f} s, peak RSS {r['peak_rss']:.0f} MiB",
                   flush=True)
         llm.engine.kv.assert_idle()
+        ref_llm.engine.kv.assert_idle()
     base = rows[0]
     dense_per_token = cfg.num_layers * cfg.head_dim * 4
     bound = transient_bound_mib(llm, args.chunk)
@@ -245,10 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tiny V4: {cfg.num_layers} layers {list(cfg.layer_types)}, hidden {cfg.hidden_size}, {cfg.num_heads} heads x "
           f"head_dim {cfg.head_dim}, indexer {cfg.index_n_heads} x {cfg.index_head_dim} top-{cfg.index_topk}, ratios "
           f"{cfg.csa_ratio}/{cfg.hca_ratio}, window {cfg.sliding_window}, page {llm.engine.kv.page_size}, float32, "
-          f"chunk {args.chunk}")
-    print(f"CPU: {cpu_features().describe()}, {args.threads} threads; fp32 GEMM {gemm:.1f} GFLOP/s")
+          f"chunk {args.chunk}; indexer {'torch' if args.torch_indexer else 'fused CPU kernel where it builds'}")
+    print(f"CPU: {cpu_features().describe()}, {args.threads} threads; fp32 GEMM {gemm:.1f} GFLOP/s at the start "
+          "(GEMM column: measured right before and after each prefill; vs GEMM uses it)")
     print(f"{'context':>8} {'decode tok/s':>12} {'vs ' + str(base['context']):>8} {'vs ' + str(args.ref_context):>8} "
-          f"{'prefill s':>10} {'prefill tok/s':>13} {'GFLOP':>9} {'idx %':>6} {'GFLOP/s':>8} {'vs GEMM':>8} "
+          f"{'prefill s':>10} {'prefill tok/s':>13} {'GFLOP':>9} {'idx %':>6} {'GFLOP/s':>8} {'GEMM':>6} {'vs GEMM':>8} "
           f"{'prefill+decode s':>16} {'peak RSS MiB':>12} {'KV B/tok':>9}")
     for r in rows:
         total = sum(r["flops"].values())
@@ -256,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         wall = r["prefill_s"] + sum(args.decode_steps / x for x in r["runs"])
         print(f"{r['context']:>8} {r['decode']:>12.1f} {r['decode'] / base['decode']:>8.2f} "
               f"{r['decode'] / r['ref']:>8.2f} {r['prefill_s']:>10.1f} {r['context'] / r['prefill_s']:>13.0f} "
-              f"{total / 1e9:>9.1f} {100 * r['flops']['indexer'] / total:>6.1f} {rate:>8.1f} {rate / gemm:>8.2f} "
+              f"{total / 1e9:>9.1f} {100 * r['flops']['indexer'] / total:>6.1f} {rate:>8.1f} {r['gemm']:>6.0f} "
+              f"{rate / r['gemm']:>8.2f} "
               f"{wall:>16.1f} {r['peak_rss']:>12.0f} {r['bytes'] / (r['context'] + 2):>9.0f}")
     print(f"transient prefill memory bound from the block sizes: {bound:.0f} MiB (chunk {args.chunk} tokens, query "
           f"blocks of {PREFILL_BLOCK_ROWS} rows, indexer/entry key blocks); RSS growth over the largest prefill: "
@@ -269,14 +304,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  context {ctx:>8}: V4 layout {v4:8.0f} B/token vs dense {dense} B/token ({v4 / dense:.3f}x)")
     if args.profile:
         print()
-        for r in [first_ref] + rows:
-            print(f"profile of one decode step at context {r['context']} (torch.profiler, {PROFILE_STEPS} steps; "
+        profiles = [(args.ref_context, rows[0]["ref_profile"])] + [(r["context"], r["profile"]) for r in rows]
+        for ctx, prof in profiles:
+            print(f"profile of one decode step at context {ctx} (torch.profiler, {PROFILE_STEPS} steps; "
                   "self CPU ms per step, calls per step):")
-            for name, ms, calls in r["profile"]:
+            for name, ms, calls in prof:
                 print(f"  {ms:8.3f} ms  {calls:>5}  {name}")
     fields = [f"decode_{r['context']}={r['decode']:.2f}" for r in rows]
     fields += [f"decode_x_{r['context']}={r['decode'] / r['ref']:.3f}" for r in rows]
-    fields += [f"gemm_x_{r['context']}={sum(r['flops'].values()) / r['prefill_s'] / 1e9 / gemm:.3f}" for r in rows]
+    fields += [f"gemm_x_{r['context']}={sum(r['flops'].values()) / r['prefill_s'] / 1e9 / r['gemm']:.3f}" for r in rows]
     print("RESULT " + " ".join(fields) + f" gemm_gflops={gemm:.1f}")
     return 0
 

@@ -13,13 +13,16 @@
 // much as the scoring matmul. Here the scores of a few entries live in registers and are dropped
 // at once unless they beat the row's running k-th score.
 //
-// Layout of the arithmetic: a row's query is packed transposed, [c][heads padded to vectors], so
-// one key element broadcast against one vector multiplies it into kLanes heads at once; E entries
-// x HV head vectors accumulate in registers over the c dimension. The keys are never copied.
-//
-// Work is split over (row chunk, entry segment) pairs: long prefill blocks by rows (each thread
-// loops key blocks that stay in its L2 across the chunk's rows); decode's few rows also by
-// entries, whose per-segment top-k sets are merged at the end by the same total order.
+// Two layouts of the arithmetic, by how the keys are addressed:
+//   * shared slot list (a prefill block: every row reads one causal list): each thread packs a
+//     key block transposed, in panels of [c][tile entries], once for all its rows; a vector load
+//     then covers kLanes entries, the query's elements are broadcast, and the head sum is a
+//     vertical sum of vectors (run_packed). Rows are split over threads.
+//   * page form (decode: each row its own pages): the keys are read in place through the page
+//     table; the row's query is packed transposed, [c][heads padded to vectors], so one key
+//     element broadcast against one vector multiplies it into kLanes heads at once (run). Few
+//     rows are also split by entry segments across threads, and the segments' top-k sets are
+//     merged at the end by the same total order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -130,8 +133,18 @@ void score_range(const kt* key_base, int64_t c, const KeyAddress& addr, int64_t 
   const kt* keys[E];
   float s[E];
   int64_t e = e0;
+  constexpr int64_t kAhead = 2 * E;  // entries prefetched ahead: decode reads keys from DRAM once
   for (; e + E <= e1; e += E) {
-    for (int i = 0; i < E; ++i) keys[i] = key_base + addr.slot(r, e + i) * c;
+    if (e + kAhead + E <= e1) {  // the tile after next (approximate across a page boundary)
+      const char* p = reinterpret_cast<const char*>(key_base + addr.slot(r, e + kAhead) * c);
+      for (int64_t b = 0; b < static_cast<int64_t>(E * c * sizeof(kt)); b += 64) __builtin_prefetch(p + b);
+    }
+    if (addr.pages && e % addr.spp + E <= addr.spp) {  // within one page: one page-table lookup
+      const kt* first = key_base + addr.slot(r, e) * c;
+      for (int i = 0; i < E; ++i) keys[i] = first + i * c;
+    } else {
+      for (int i = 0; i < E; ++i) keys[i] = key_base + addr.slot(r, e + i) * c;
+    }
     score_entries<kt, HV, E>(keys, qt, wv, c, scale, s);
     for (int i = 0; i < E; ++i) top.offer(s[i], e + i);
   }
