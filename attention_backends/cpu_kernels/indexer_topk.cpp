@@ -42,9 +42,11 @@ using hybridkv_cpu::vfloat;
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
-constexpr int64_t kRowChunk = 16;    // rows whose packed queries stay cached while a key block passes
-constexpr int64_t kKeyBlock = 256;   // entries per key block (64 KB at c = 64, float32)
-constexpr int kMaxHeadVectors = 8;
+// Page form (run): rows per work item, entries per pass over an item's rows, and the unit that
+// sizes entry segments (a lone decode row is split only past 4 key blocks).
+constexpr int64_t kRowChunk = 16;
+constexpr int64_t kKeyBlock = 256;
+constexpr int kMaxHeadVectors = 8;  // heads <= 8 * kLanes (the caller checks <= 64)
 
 // A candidate: its score and entry index. better(a, b): a ranks above b.
 struct Cand {
