@@ -39,6 +39,11 @@ inline vfloat load_vec(const scalar_t* p) {  // other types (fp16): widened lane
   for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
   return v;
 }
+// A scalar of any element type the kernels read (float, c10::BFloat16, c10::Half) as float.
+template <typename T>
+inline float to_float(T x) {
+  return static_cast<float>(x);
+}
 inline float hsum(vfloat v) {
   float s = 0.f;
   for (int i = 0; i < kLanes; ++i) s += v[i];

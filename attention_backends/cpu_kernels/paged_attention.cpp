@@ -34,10 +34,8 @@ namespace {
 
 constexpr int64_t kBlock = 256;  // keys per online-softmax block: the scratch is rows x kBlock floats
 
-template <typename T>
-inline float to_float(T x) { return static_cast<float>(x); }
-
 using hybridkv_cpu::exp_nonpositive;  // cpu_math.h, put in front of this file by the loader
+using hybridkv_cpu::to_float;
 
 template <typename scalar_t>
 inline float dot(const float* __restrict__ a, const scalar_t* __restrict__ b, int64_t n) {

@@ -32,8 +32,7 @@ using hybridkv_cpu::hsum;
 using hybridkv_cpu::kLanes;
 using hybridkv_cpu::vfloat;
 using hybridkv_cpu::load_vec;
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+using hybridkv_cpu::to_float;
 
 // ---- skinny_linear -------------------------------------------------------------------------
 
