@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from hybridkv.attention_backends.cpu_kernels import load_indexer_topk
+from hybridkv.attention_backends.cpu_kernels import load_indexer_topk, load_joint_attention
 from hybridkv.attention_backends.hisparse_reads import HiSparseLayer, select_from_buffer, swap_in
 from hybridkv.attention_backends.hybrid_metadata import HybridAttentionMetadata, KeySet, QueryBlock
 
@@ -432,6 +432,45 @@ def _gather(cache: torch.Tensor, ks: KeySet) -> torch.Tensor:
     return cache[ks.slots]
 
 
+def torch_joint_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, KeySet]], sinks: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """The joint softmax over every (cache, key set) source plus the sink, in torch ops."""
+    if sum(ks.length for _, ks in sources[1:]) <= ENTRY_KEY_BLOCK:
+        # Short entry lists (every CSA block: top-k; HCA below ENTRY_KEY_BLOCK entries): one pass.
+        return joint_softmax_attention(q, [(_gather(cache, ks), ks.mask) for cache, ks in sources], sinks, scale)
+    return online_joint_attention(q, sources, sinks, scale, ENTRY_KEY_BLOCK)
+
+
+# Columns (summed over the key sets) the fused kernel takes: it holds [heads, columns] logits per
+# thread and a shared set's keys packed once ([columns, D] floats); longer lists (HCA at
+# multi-million-token contexts) run the torch online softmax, bounded by ENTRY_KEY_BLOCK.
+FUSED_ATTENTION_MAX_COLUMNS = 1 << 16
+
+
+def cpu_joint_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, KeySet]], sinks: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """torch_joint_attention through the fused C++ kernel (cpu_kernels/joint_attention.cpp) where
+    it applies: float32 queries and caches on the CPU, at most FUSED_ATTENTION_MAX_COLUMNS columns.
+    The keys are read in place through their slots, only the columns each row may read, with no
+    [rows, heads, keys] logits, masks or concatenations; the result differs from the torch path's
+    only in summation order. Elsewhere (no compiler, HYBRIDKV_CPU_KERNELS=0, other dtypes or
+    devices) torch_joint_attention runs."""
+    kernel = load_joint_attention() if q.device.type == "cpu" else None
+    if (kernel is None or q.dtype != torch.float32 or q.shape[0] == 0
+            or sum(ks.length for _, ks in sources) > FUSED_ATTENTION_MAX_COLUMNS
+            or any(c.dtype != torch.float32 or c.device.type != "cpu" or c.dim() != 2 or not c.is_contiguous()
+                   for c, _ in sources)):
+        return torch_joint_attention(q, sources, sinks, scale)
+    empty = torch.empty(0, dtype=torch.long)
+    none = torch.empty(0, dtype=torch.bool)
+    slots = [ks.slots.long().contiguous() for _, ks in sources]
+    masks = [none if ks.visible is not None else ks.explicit_mask.contiguous() for _, ks in sources]
+    visibles = [empty if ks.visible is None else ks.visible.long().contiguous() for _, ks in sources]
+    with torch.profiler.record_function("hybridkv::cpu_joint_attention"):  # named in profiles (not an aten op)
+        return kernel(q.contiguous(), sinks.float().contiguous(), float(scale), [c for c, _ in sources], slots,
+                      masks, visibles)
+
+
 class HybridV4Attention:
     name = "hybrid_v4_torch"
 
@@ -455,12 +494,7 @@ class HybridV4Attention:
             picked = self.entries(blk, meta, entry_cache, entry_space, indexer, hisparse)
             if picked is not None:
                 sources.append(picked)
-            if sum(ks.length for _, ks in sources[1:]) <= ENTRY_KEY_BLOCK:
-                # Short entry lists (every CSA block: top-k; HCA below ENTRY_KEY_BLOCK entries): one pass.
-                sets = [(_gather(cache, ks), ks.mask) for cache, ks in sources]
-                out[rows] = joint_softmax_attention(qb, sets, sinks, scale)
-            else:
-                out[rows] = online_joint_attention(qb, sources, sinks, scale, ENTRY_KEY_BLOCK)
+            out[rows] = self.attend(qb, sources, sinks, scale)
         return out
 
     def entries(self, blk: QueryBlock, meta: HybridAttentionMetadata, entry_cache: torch.Tensor | None,
@@ -483,4 +517,5 @@ class HybridV4Attention:
 
     write = staticmethod(write_slots)  # cache rows into their slots; the Triton backend writes by kernel
     topk = staticmethod(cpu_indexer_topk)  # the Triton backend scores with its kernel
+    attend = staticmethod(cpu_joint_attention)
     swap_in = staticmethod(swap_in)  # HiSparse's hot-buffer swap-in; the Triton backend fuses it in one kernel

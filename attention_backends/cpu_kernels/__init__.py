@@ -4,6 +4,11 @@
 sum and a running top-k in one pass over the keys read in place (hybrid_v4.cpu_indexer_topk
 routes to it, with hybrid_v4.indexer_topk as its fallback and reference).
 
+`joint_attention` (joint_attention.cpp) is DeepSeek-V4's joint softmax over [sliding-window keys |
+compressed entries | sink] fused, keys read in place through their slots (hybrid_v4.cpu_joint_attention
+routes to it, with the torch joint_softmax_attention / online_joint_attention as its fallback and
+reference).
+
 `paged_attention` (paged_attention.cpp) attends short query groups -- decodes, and short prefill
 chunks after a prefix -- by reading K/V in place through the block table: no gather of every key
 slot into a temporary, and no per-key slot list built on the host each step. The torch-only
@@ -22,7 +27,8 @@ import torch
 
 from hybridkv.attention_backends.cpu_kernels.build import ENV_SWITCH, build_cpu_extension, kernels_enabled
 
-__all__ = ["ENV_SWITCH", "build_cpu_extension", "kernels_enabled", "load_indexer_topk", "load_paged_attention"]
+__all__ = ["ENV_SWITCH", "build_cpu_extension", "kernels_enabled", "load_indexer_topk", "load_joint_attention",
+           "load_paged_attention"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,3 +47,12 @@ def load_indexer_topk() -> Callable[..., torch.Tensor] | None:
     module = build_cpu_extension("hybridkv_indexer_topk", Path(__file__).with_name("indexer_topk.cpp"),
                                  ["indexer_topk"], "CPU lightning-indexer kernel")
     return None if module is None else module.indexer_topk
+
+
+@functools.lru_cache(maxsize=1)
+def load_joint_attention() -> Callable[..., torch.Tensor] | None:
+    """The compiled `joint_attention(q, sinks, scale, caches, slots, masks, visibles) -> out`, or
+    None when it cannot be built here."""
+    module = build_cpu_extension("hybridkv_joint_attention", Path(__file__).with_name("joint_attention.cpp"),
+                                 ["joint_attention"], "CPU joint-attention kernel")
+    return None if module is None else module.joint_attention

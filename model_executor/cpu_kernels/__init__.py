@@ -3,7 +3,7 @@
 A decode step of a small model is its weight stream plus ~60 small torch ops per layer, each a
 few microseconds of dispatch and allocation; single-stream decode of the demo model spent ~8 of
 its ~35 ms per token there (Zen 3). These replace the hot ones -- the few-row linear (decode's
-GEMV, also bf16 weights widened in registers), RMSNorm, RoPE, SiLU x mul -- where they apply;
+GEMV, also bf16 weights widened in registers), RMSNorm, RoPE, SiLU x mul, mHC's Sinkhorn loop -- where they apply;
 the torch code stays as the fallback and as the reference the tests hold them to. Built like the
 attention kernels (attention_backends/cpu_kernels/build.py): HYBRIDKV_CPU_KERNELS=0, no compiler
 or a failed build leave `fused_ops()` None (logged once) and every layer on its torch path.
@@ -16,7 +16,7 @@ from types import ModuleType
 
 from hybridkv.attention_backends.cpu_kernels import build_cpu_extension
 
-_FUNCTIONS = ["skinny_linear", "rms_norm", "rotary", "silu_and_mul"]
+_FUNCTIONS = ["skinny_linear", "rms_norm", "rotary", "silu_and_mul", "hc_sinkhorn_"]
 
 
 @functools.lru_cache(maxsize=1)

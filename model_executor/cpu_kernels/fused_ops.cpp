@@ -10,6 +10,7 @@
 //   rms_norm       transformers' RMSNorm: float32 statistics, weight applied in the input dtype.
 //   rotary         rotate-half RoPE of [T, heads, D] (rows may be strided, e.g. a view of qkv).
 //   silu_and_mul   silu(gate) * up of a fused [T, 2I] gate_up projection.
+//   hc_sinkhorn_   DeepSeek-V4's mHC Sinkhorn loop over [T, n, n] mixing matrices, in place.
 // Each is held to the torch expression it replaces by tests/model_executor/test_fused_cpu_ops.py.
 // exp_nonpositive and the vector helpers come from attention_backends/cpu_kernels/cpu_math.h,
 // which the loader puts in front of this file. Built with -ffp-contract=off, so that a*b + c*d
@@ -278,4 +279,42 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
       silu_and_mul_rows<c10::BFloat16>(gate_up.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), T, I);
     }));
   return out;
+}
+
+// ---- hc_sinkhorn_ -----------------------------------------------------------------------------
+// mHC's Sinkhorn normalisation of comb [T, n, n] (float32) in place, as mhc.py does it: divide
+// every column by its sum + eps, then iters - 1 times every row and every column. In torch that is
+// 3 x iters ops over the whole [T, n, n] per sublayer (~120 for V4's 20 iterations), each a pass
+// over memory plus dispatch; here each token's matrix stays in L1 through all the iterations.
+torch::Tensor hc_sinkhorn_(torch::Tensor comb, int64_t iters, double eps) {
+  TORCH_CHECK(comb.dim() == 3 && comb.size(1) == comb.size(2) && comb.scalar_type() == torch::kFloat32 &&
+                  comb.is_contiguous(), "hc_sinkhorn_: comb must be a contiguous float32 [T, n, n] tensor");
+  const int64_t T = comb.size(0), n = comb.size(1);
+  const float e = static_cast<float>(eps);
+  float* p = comb.data_ptr<float>();
+  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+    std::vector<float> col(n);
+    for (int64_t t = t0; t < t1; ++t) {
+      float* m = p + t * n * n;
+      auto columns = [&] {  // sum over the first axis (torch's dim=-2), then + eps, then divide
+        for (int64_t j = 0; j < n; ++j) col[j] = m[j];
+        for (int64_t i = 1; i < n; ++i)
+          for (int64_t j = 0; j < n; ++j) col[j] += m[i * n + j];
+        for (int64_t j = 0; j < n; ++j) col[j] += e;
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < n; ++j) m[i * n + j] /= col[j];
+      };
+      columns();
+      for (int64_t it = 1; it < iters; ++it) {
+        for (int64_t i = 0; i < n; ++i) {
+          float s = m[i * n];
+          for (int64_t j = 1; j < n; ++j) s += m[i * n + j];
+          s += e;
+          for (int64_t j = 0; j < n; ++j) m[i * n + j] /= s;
+        }
+        columns();
+      }
+    }
+  });
+  return comb;
 }

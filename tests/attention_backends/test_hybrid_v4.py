@@ -104,9 +104,13 @@ class _Step:
 @pytest.mark.parametrize("key_block", [None, 1, 7])  # None: the defaults (one key block here)
 # CSA layers run the indexer: the fused CPU kernel where it builds, and its torch fallback
 @pytest.mark.parametrize("kind,indexer", [("sliding", None), ("hca", None), ("csa", "kernel"), ("csa", "torch")])
-def test_backend_matches_dense_reference_over_random_pages(kind, indexer, key_block, monkeypatch):
+# the joint softmax: the fused CPU kernel where it builds, and its torch fallback
+@pytest.mark.parametrize("attention", ["kernel", "torch"])
+def test_backend_matches_dense_reference_over_random_pages(kind, indexer, attention, key_block, monkeypatch):
     if indexer == "torch":
         monkeypatch.setattr(hybrid_v4, "load_indexer_topk", lambda: None)
+    if attention == "torch":
+        monkeypatch.setattr(hybrid_v4, "load_joint_attention", lambda: None)
     if key_block is not None:  # indexer top-k (merged blockwise) and entry attention read in many key blocks
         monkeypatch.setattr(hybrid_v4, "INDEXER_ROW_SCORES", 0)
         monkeypatch.setattr(hybrid_v4, "INDEXER_KEY_BLOCK", key_block)
@@ -377,9 +381,10 @@ def test_long_prefill_intermediates_are_bounded_by_the_block_sizes(kind, monkeyp
                       INDEXER, TOPK, CI**-0.5)
     cache, space = (step.c4, C4) if kind == "csa" else (step.c128, C128)
 
-    # The torch indexer's score tensors are what the block sizes bound (the fused CPU kernel
-    # holds none: its memory is a packed key block and a top-k buffer per row).
+    # The torch indexer's score tensors and attention logits are what the block sizes bound (the
+    # fused CPU kernels hold none: a packed key block and a top-k buffer per row; a row's logits).
     monkeypatch.setattr(hybrid_v4, "load_indexer_topk", lambda: None)
+    monkeypatch.setattr(hybrid_v4, "load_joint_attention", lambda: None)
 
     def run(block: int) -> torch.Tensor:
         monkeypatch.setattr(hybrid_v4, "INDEXER_KEY_BLOCK", block)

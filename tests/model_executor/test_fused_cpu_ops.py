@@ -195,3 +195,19 @@ def test_demo_model_decodes_the_same_tokens_with_and_without_the_ops(tiny_ckpt, 
     assert fused_tokens == ref_tokens
     for a, b in zip(fused_lp, ref_lp):
         assert a == pytest.approx(b, abs=1e-4)
+
+
+@needs_ops
+@pytest.mark.parametrize("n,iters", [(4, 20), (3, 1), (2, 2)])
+def test_hc_sinkhorn_equals_the_torch_loop(n, iters, monkeypatch):
+    """DeepSeek-V4's mHC Sinkhorn loop: the fused op (in place) against mhc.sinkhorn_'s torch path,
+    with the same division order, so only a sum of n terms could round differently."""
+    from hybridkv.model_executor.models.deepseek_v4 import mhc
+
+    comb = torch.softmax(torch.randn(300, n, n, generator=_gen(n)) * 3, dim=-1) + 1e-6
+    monkeypatch.setattr(mhc, "fused_ops", lambda: None)
+    want = mhc.sinkhorn_(comb.clone(), iters, 1e-6)
+    monkeypatch.undo()
+    got = comb.clone()
+    assert mhc.sinkhorn_(got, iters, 1e-6) is got  # routed to the op, in place
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

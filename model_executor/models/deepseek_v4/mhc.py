@@ -11,7 +11,23 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from hybridkv.model_executor.cpu_kernels import fused_ops
 from hybridkv.model_executor.models.deepseek_v4.norms import rms_normalize
+
+
+def sinkhorn_(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """comb [T, n, n] made doubly stochastic in place: columns, then (rows, columns) iters - 1 times,
+    each divided by its sum + eps. On the CPU one fused pass (model_executor/cpu_kernels:
+    hc_sinkhorn_): in torch it is 3 x iters small ops over the whole [T, n, n], which cost more
+    than the sublayer's matmuls for a prefill chunk of a small model."""
+    if comb.is_cpu and comb.dtype == torch.float32 and comb.is_contiguous() and (ops := fused_ops()):
+        return ops.hc_sinkhorn_(comb, iters, eps)
+    # In place (the same arithmetic as out-of-place; allocating each step cost more than the divisions).
+    comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
+    for _ in range(iters - 1):
+        comb.div_(comb.sum(dim=-1, keepdim=True).add_(eps))
+        comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
+    return comb
 
 
 class HyperConnection(nn.Module):
@@ -34,12 +50,7 @@ class HyperConnection(nn.Module):
         pre = torch.sigmoid(pre_w * s[0] + pre_b) + eps
         post = 2 * torch.sigmoid(post_w * s[1] + post_b)
         comb = torch.softmax(comb_w.view(-1, n, n) * s[2] + comb_b.view(n, n), dim=-1) + eps
-        # Sinkhorn in place (the same arithmetic as out-of-place: a prefill chunk's [T, n, n] is
-        # renormalised 2 x iters times, and allocating each step cost more than the divisions).
-        comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
-        for _ in range(self.iters - 1):
-            comb.div_(comb.sum(dim=-1, keepdim=True).add_(eps))
-            comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
+        sinkhorn_(comb, self.iters, eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return collapsed, post, comb
 

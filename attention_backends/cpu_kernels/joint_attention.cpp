@@ -1,0 +1,270 @@
+// DeepSeek-V4's joint softmax attention on the CPU, fused. For query row r and head h, one
+// softmax over the columns j the row may read in every key set, plus the head's sink logit:
+//
+//     l[j] = scale * q[r, h, :] . key_j,      m = max(sink[h], max_j l[j])
+//     out[r, h, :] = sum_j exp(l[j] - m) * key_j / (exp(sink[h] - m) + sum_j exp(l[j] - m))
+//
+// (values = keys; the sink's value is zero). A key set is a slot list -- shared by every row (a
+// prefill block) or one per row (decode, the indexer's top-k) -- with either an explicit mask
+// [n, L] (the sliding window) or a causal count visible[n] (compressed entries: row r reads
+// columns [0, visible[r])). This is hybrid_v4.joint_softmax_attention's math; it replaces the
+// gathers of every key, the [rows, heads, keys] logits, masks, concatenation and softmax
+// passes, which at these shapes cost several times the two matmuls.
+//
+// Per row: the logits of the row's readable column range of each key set are computed on key
+// panels [D][kLanes] (kLanes keys transposed, as the indexer kernel does: a vector load covers
+// kLanes keys, the query element is a broadcast, no horizontal sums); a shared set is packed
+// once per call, a per-row set per row and only over its readable range. The softmax runs over
+// the computed columns, and the weighted sum reads the keys row-major in place through their
+// slots, a head at a time so its accumulators stay in registers. Columns a row may not read never
+// reach its output: their logits are -inf and their weights exactly 0, skipped in the weighted
+// sum; a per-row set does not even read them (a shared set's columns are all written keys).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using hybridkv_cpu::exp_nonpositive;
+using hybridkv_cpu::kLanes;
+using hybridkv_cpu::load_vec;
+using hybridkv_cpu::vfloat;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// One key set as the kernel reads it.
+struct KeySource {
+  const float* cache = nullptr;  // [cache slots, D]
+  const int64_t* slots = nullptr;  // [L] (shared) or [n, L]
+  bool shared = true;
+  const bool* mask = nullptr;  // [n, L], or null when `visible` is given
+  const int64_t* visible = nullptr;  // [n]
+  int64_t length = 0;  // L
+  int64_t offset = 0;  // first column of this set in a row's logits (sets padded to kLanes)
+  std::vector<float> panel;  // shared sets: every column, [ceil(L / kLanes)][D][kLanes]
+
+  inline const float* key(int64_t r, int64_t j, int64_t D) const {
+    return cache + (shared ? slots[j] : slots[r * length + j]) * D;
+  }
+  inline bool readable(int64_t r, int64_t j) const {
+    return visible ? j < visible[r] : mask[r * length + j];
+  }
+  // Row r's readable columns lie in [lo, hi); nothing outside is read.
+  void range(int64_t r, int64_t& lo, int64_t& hi) const {
+    if (visible) {
+      lo = 0;
+      hi = std::min(length, std::max<int64_t>(0, visible[r]));
+      return;
+    }
+    const bool* m = mask + r * length;
+    lo = 0;
+    while (lo < length && !m[lo]) ++lo;
+    hi = length;
+    while (hi > lo && !m[hi - 1]) --hi;
+  }
+};
+
+// Columns [v0 * kLanes, v1 * kLanes) of row r as panels, zeros where the row may not read. A
+// shared set is packed once for every row (r = 0, lo = 0, hi = L): then it must read all columns.
+void pack(const KeySource& s, int64_t r, int64_t lo, int64_t hi, int64_t D, int64_t v0, int64_t v1, float* panel) {
+  for (int64_t v = v0; v < v1; ++v) {
+    float* p = panel + v * D * kLanes;
+    for (int64_t i = 0; i < kLanes; ++i) {
+      const int64_t j = v * kLanes + i;
+      if (j < lo || j >= hi || (!s.shared && !s.readable(r, j))) {
+        for (int64_t d = 0; d < D; ++d) p[d * kLanes + i] = 0.f;
+        continue;
+      }
+      const float* k = s.key(r, j, D);
+      for (int64_t d = 0; d < D; ++d) p[d * kLanes + i] = k[d];
+    }
+  }
+}
+
+// Scaled logits of HT heads (queries q, rows D apart) for the kLanes keys of one panel, stored
+// at out (head rows ld apart).
+template <int HT>
+inline void panel_logits(const float* q, int64_t D, const float* pv, float scale, float* out, int64_t ld) {
+  vfloat acc[HT];
+  for (int i = 0; i < HT; ++i) acc[i] = vfloat{};
+  for (int64_t d = 0; d < D; ++d) {
+    const vfloat kv = load_vec(pv + d * kLanes);
+    for (int i = 0; i < HT; ++i) acc[i] += kv * q[i * D + d];
+  }
+  for (int i = 0; i < HT; ++i) {
+    const vfloat a = acc[i] * scale;
+    std::memcpy(out + i * ld, &a, sizeof(vfloat));
+  }
+}
+
+// out[d0, d0 + NV * kLanes) of one head: sum_j p[j] * key_j over each set's range, times inv.
+template <int NV>
+inline void weighted_keys(const std::vector<KeySource>& sets, const int64_t* lo, const int64_t* hi, int64_t r,
+                          const float* p, int64_t D, int64_t d0, float inv, float* out) {
+  vfloat acc[NV];
+  for (int i = 0; i < NV; ++i) acc[i] = vfloat{};
+  for (size_t s = 0; s < sets.size(); ++s) {
+    const KeySource& ks = sets[s];
+    const float* ps = p + ks.offset;
+    for (int64_t j = lo[s]; j < hi[s]; ++j) {
+      const float w = ps[j];
+      if (w == 0.f) continue;  // masked (or underflowed): never read
+      const float* k = ks.key(r, j, D) + d0;
+      for (int i = 0; i < NV; ++i) acc[i] += load_vec(k + i * kLanes) * w;
+    }
+  }
+  for (int i = 0; i < NV; ++i) {
+    const vfloat a = acc[i] * inv;
+    std::memcpy(out + d0 + i * kLanes, &a, sizeof(vfloat));
+  }
+}
+
+void attend_row(const std::vector<KeySource>& sets, int64_t r, const float* q, const float* sinks, int64_t H,
+                int64_t D, float scale, int64_t ld, float* lg, std::vector<float>& row_panel, int64_t* lo,
+                int64_t* hi, int64_t* c0, int64_t* c1, float* out) {
+  // Per set: the readable range [lo, hi) and the computed columns [c0, c1), whole panels around it.
+  const size_t S = sets.size();
+  for (size_t s = 0; s < S; ++s) {
+    const KeySource& ks = sets[s];
+    ks.range(r, lo[s], hi[s]);
+    if (hi[s] <= lo[s]) {
+      lo[s] = hi[s] = c0[s] = c1[s] = 0;
+      continue;
+    }
+    const int64_t v0 = lo[s] / kLanes, v1 = (hi[s] + kLanes - 1) / kLanes;
+    c0[s] = v0 * kLanes;
+    c1[s] = v1 * kLanes;
+    const float* panel = ks.panel.data();
+    if (!ks.shared) {
+      pack(ks, r, lo[s], hi[s], D, v0, v1, row_panel.data());
+      panel = row_panel.data();
+    }
+    for (int64_t v = v0; v < v1; ++v) {
+      const float* pv = panel + v * D * kLanes;
+      float* o = lg + ks.offset + v * kLanes;
+      int64_t h = 0;
+      for (; h + 4 <= H; h += 4) panel_logits<4>(q + h * D, D, pv, scale, o + h * ld, ld);
+      switch (H - h) {
+        case 3: panel_logits<3>(q + h * D, D, pv, scale, o + h * ld, ld); break;
+        case 2: panel_logits<2>(q + h * D, D, pv, scale, o + h * ld, ld); break;
+        case 1: panel_logits<1>(q + h * D, D, pv, scale, o + h * ld, ld); break;
+      }
+    }
+    for (int64_t j = c0[s]; j < c1[s]; ++j)  // columns the row may not read weigh exactly 0
+      if (j < lo[s] || j >= hi[s] || !ks.readable(r, j))
+        for (int64_t h = 0; h < H; ++h) lg[h * ld + ks.offset + j] = kNegInf;
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    float* l = lg + h * ld;
+    float m = sinks[h];
+    for (size_t s = 0; s < S; ++s)
+      for (int64_t j = c0[s]; j < c1[s]; ++j) m = std::max(m, l[sets[s].offset + j]);
+    float sum = exp_nonpositive(sinks[h] - m);
+    for (size_t s = 0; s < S; ++s) {
+      float* ls = l + sets[s].offset;
+      float part = 0.f;
+#pragma omp simd reduction(+ : part)
+      for (int64_t j = c0[s]; j < c1[s]; ++j) {
+        const float e = exp_nonpositive(ls[j] - m);  // -inf (unreadable) gives 0
+        ls[j] = e;
+        part += e;
+      }
+      sum += part;
+    }
+    const float inv = 1.f / sum;
+    float* oh = out + h * D;
+    int64_t d0 = 0;
+    for (; d0 + 4 * kLanes <= D; d0 += 4 * kLanes) weighted_keys<4>(sets, lo, hi, r, l, D, d0, inv, oh);
+    for (; d0 + kLanes <= D; d0 += kLanes) weighted_keys<1>(sets, lo, hi, r, l, D, d0, inv, oh);
+    for (; d0 < D; ++d0) {  // a head size that is not a multiple of the vector width
+      float acc = 0.f;
+      for (size_t s = 0; s < S; ++s)
+        for (int64_t j = lo[s]; j < hi[s]; ++j) {
+          const float w = l[sets[s].offset + j];
+          if (w != 0.f) acc += w * sets[s].key(r, j, D)[d0];
+        }
+      oh[d0] = acc * inv;
+    }
+  }
+}
+
+}  // namespace
+
+// q [n, H, D] float32; sinks [H] float32; for each key set s: caches[s] [slots, D] float32,
+// slots[s] [L] (shared) or [n, L] int64, and either masks[s] [n, L] bool (visibles[s] empty) or
+// visibles[s] [n] int64 (masks[s] empty). Returns out [n, H, D] float32.
+torch::Tensor joint_attention(torch::Tensor q, torch::Tensor sinks, double scale, std::vector<torch::Tensor> caches,
+                              std::vector<torch::Tensor> slots, std::vector<torch::Tensor> masks,
+                              std::vector<torch::Tensor> visibles) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(),
+              "q must be a contiguous float32 [n, heads, dim] tensor");
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(sinks.dim() == 1 && sinks.size(0) == H && sinks.scalar_type() == torch::kFloat32 &&
+                  sinks.is_contiguous(), "sinks must be a contiguous float32 [heads] tensor");
+  const size_t S = caches.size();
+  TORCH_CHECK(slots.size() == S && masks.size() == S && visibles.size() == S,
+              "caches, slots, masks and visibles must have one entry per key set");
+  std::vector<KeySource> sets(S);
+  int64_t ld = 0;
+  for (size_t s = 0; s < S; ++s) {
+    const auto& c = caches[s];
+    const auto& sl = slots[s];
+    TORCH_CHECK(c.dim() == 2 && c.size(1) == D && c.scalar_type() == torch::kFloat32 && c.is_contiguous(),
+                "key set ", s, ": the cache must be a contiguous float32 [slots, ", D, "] tensor");
+    TORCH_CHECK(sl.scalar_type() == torch::kInt64 && sl.is_contiguous() &&
+                    (sl.dim() == 1 || (sl.dim() == 2 && sl.size(0) == n)),
+                "key set ", s, ": slots must be a contiguous int64 [L] or [n, L] tensor");
+    KeySource& ks = sets[s];
+    ks.cache = c.data_ptr<float>();
+    ks.slots = sl.data_ptr<int64_t>();
+    ks.shared = sl.dim() == 1;
+    ks.length = sl.size(-1);
+    if (masks[s].numel()) {
+      TORCH_CHECK(masks[s].scalar_type() == torch::kBool && masks[s].is_contiguous() &&
+                      masks[s].sizes() == torch::IntArrayRef({n, ks.length}),
+                  "key set ", s, ": the mask must be a contiguous bool [n, L] tensor");
+      ks.mask = masks[s].data_ptr<bool>();
+    } else {
+      TORCH_CHECK(visibles[s].scalar_type() == torch::kInt64 && visibles[s].is_contiguous() &&
+                      visibles[s].dim() == 1 && visibles[s].size(0) == n,
+                  "key set ", s, ": give a bool mask [n, L] or an int64 visible count [n]");
+      ks.visible = visibles[s].data_ptr<int64_t>();
+    }
+    // Every slot a row may read must lie in the cache (a bad slot would read out of bounds).
+    const int64_t cache_slots = c.size(0);
+    const int64_t* sp = ks.slots;
+    const int64_t count = sl.numel();
+    for (int64_t i = 0; i < count; ++i)
+      TORCH_CHECK(sp[i] >= 0 && sp[i] < cache_slots, "key set ", s, ": slot ", sp[i], " is outside the cache (",
+                  cache_slots, " slots)");
+    ks.offset = ld;
+    ld += (ks.length + kLanes - 1) / kLanes * kLanes;
+  }
+  for (auto& ks : sets)
+    if (ks.shared && ks.length) {
+      const int64_t vectors = (ks.length + kLanes - 1) / kLanes;
+      ks.panel.assign(vectors * D * kLanes, 0.f);
+      pack(ks, 0, 0, ks.length, D, 0, vectors, ks.panel.data());
+    }
+  int64_t panel_cols = 0;  // the widest per-row set, for the row panel
+  for (const auto& ks : sets)
+    if (!ks.shared) panel_cols = std::max(panel_cols, (ks.length + kLanes - 1) / kLanes * kLanes);
+  auto out = torch::empty({n, H, D}, torch::kFloat32);
+  const float* qp = q.data_ptr<float>();
+  const float* sp = sinks.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> lg(std::max<int64_t>(1, H * ld));
+    std::vector<float> row_panel(std::max<int64_t>(1, panel_cols * D));
+    std::vector<int64_t> lo(S), hi(S), c0(S), c1(S);
+    for (int64_t r = begin; r < end; ++r)
+      attend_row(sets, r, qp + r * H * D, sp, H, D, sc, ld, lg.data(), row_panel, lo.data(), hi.data(), c0.data(),
+                 c1.data(), op + r * H * D);
+  });
+  return out;
+}
