@@ -10,7 +10,8 @@ engine on the same model and stepped alternately with it (ABBA), so that both se
 seconds of this VM's drifting speed, and to the first context; the seeds' claim is < 10%
 slower from 4k to 900k. --profile adds torch.profiler's view of a decode step at each context
 and at the reference (what is left that grows with context). --torch-indexer runs the torch
-indexer instead of the fused CPU kernel (the A/B). Prefill: the floating-point operations the prefill must do are counted from
+indexer instead of the fused CPU kernel, --torch-attention the torch joint softmax and Sinkhorn
+loop instead of theirs (the A/Bs). Prefill: the floating-point operations the prefill must do are counted from
 the config (projections incl. the routed experts and hyper-connections, the lightning
 indexer's scoring of every causal C4 entry, and attention over the SWA window, the top-k C4
 and all causal C128 entries), divided by the measured prefill time, and shown against the fp32
@@ -238,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="a V4 checkpoint folder (default: build the tiny one)")
     ap.add_argument("--torch-indexer", action="store_true",
                     help="score the indexer with the torch path instead of the fused CPU kernel (the A/B)")
+    ap.add_argument("--torch-attention", action="store_true",
+                    help="run the joint softmax attention and mHC's Sinkhorn loop in torch ops instead of the fused "
+                         "CPU kernels (the A/B)")
     ap.add_argument("--profile", action="store_true",
                     help=f"also profile {PROFILE_STEPS} decode steps at each context and at the reference")
     args = ap.parse_args(argv)
@@ -246,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         from hybridkv.attention_backends import hybrid_v4
 
         hybrid_v4.load_indexer_topk = lambda: None  # cpu_indexer_topk then runs indexer_topk
+    if args.torch_attention:
+        from hybridkv.attention_backends import hybrid_v4
+        from hybridkv.model_executor.models.deepseek_v4 import mhc
+
+        hybrid_v4.load_joint_attention = lambda: None  # cpu_joint_attention then runs torch_joint_attention
+        mhc.fused_ops = lambda: None  # sinkhorn_ then runs its torch loop
     gemm = gemm_gflops(args.threads)
     print(f"CPU: {cpu_features().describe()}; torch {torch.__version__}, {args.threads} threads; "
           f"fp32 GEMM (2048^3) {gemm:.1f} GFLOP/s", flush=True)
@@ -278,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tiny V4: {cfg.num_layers} layers {list(cfg.layer_types)}, hidden {cfg.hidden_size}, {cfg.num_heads} heads x "
           f"head_dim {cfg.head_dim}, indexer {cfg.index_n_heads} x {cfg.index_head_dim} top-{cfg.index_topk}, ratios "
           f"{cfg.csa_ratio}/{cfg.hca_ratio}, window {cfg.sliding_window}, page {llm.engine.kv.page_size}, float32, "
-          f"chunk {args.chunk}; indexer {'torch' if args.torch_indexer else 'fused CPU kernel where it builds'}")
+          f"chunk {args.chunk}; indexer {'torch' if args.torch_indexer else 'fused CPU kernel where it builds'}; "
+          f"attention and Sinkhorn {'torch' if args.torch_attention else 'fused CPU kernels where they build'}")
     print(f"CPU: {cpu_features().describe()}, {args.threads} threads; fp32 GEMM {gemm:.1f} GFLOP/s at the start "
           "(GEMM column: measured right before and after each prefill; vs GEMM uses it)")
     print(f"{'context':>8} {'decode tok/s':>12} {'vs ' + str(base['context']):>8} {'vs ' + str(args.ref_context):>8} "
