@@ -16,9 +16,10 @@
 // kLanes keys, the query element is a broadcast, no horizontal sums); a shared set is packed
 // once per call, a per-row set per row and only over its readable range. The softmax runs over
 // the computed columns, and the weighted sum reads the keys row-major in place through their
-// slots, a head at a time so its accumulators stay in registers. Columns a row may not read never
-// reach its output: their logits are -inf and their weights exactly 0, skipped in the weighted
-// sum; a per-row set does not even read them (a shared set's columns are all written keys).
+// slots, two heads per pass over the keys (their accumulators stay in registers). Columns a row
+// may not read never reach its output: their logits are -inf and their weights exactly 0,
+// skipped in the weighted sum; a per-row set does not even read them (a shared set's columns
+// are all written keys).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -101,31 +102,61 @@ inline void panel_logits(const float* q, int64_t D, const float* pv, float scale
   }
 }
 
-// out[d0, d0 + NV * kLanes) of one head: sum_j p[j] * key_j over each set's range, times inv.
-template <int NV>
+// out[d0, d0 + NV * kLanes) of HG heads (weights p, rows ld apart; outputs D apart): sum_j p[j] *
+// key_j over each set's range, times the head's inv. A key's vectors are loaded once for the HG
+// heads (HG x NV accumulators: 2 x 4 with 4 key vectors and a broadcast fit AVX2's 16 registers).
+template <int NV, int HG>
 inline void weighted_keys(const std::vector<KeySource>& sets, const int64_t* lo, const int64_t* hi, int64_t r,
-                          const float* p, int64_t D, int64_t d0, float inv, float* out) {
-  vfloat acc[NV];
-  for (int i = 0; i < NV; ++i) acc[i] = vfloat{};
+                          const float* p, int64_t ld, int64_t D, int64_t d0, const float* inv, float* out) {
+  vfloat acc[HG][NV];
+  for (int g = 0; g < HG; ++g)
+    for (int i = 0; i < NV; ++i) acc[g][i] = vfloat{};
   for (size_t s = 0; s < sets.size(); ++s) {
     const KeySource& ks = sets[s];
     const float* ps = p + ks.offset;
     for (int64_t j = lo[s]; j < hi[s]; ++j) {
-      const float w = ps[j];
-      if (w == 0.f) continue;  // masked (or underflowed): never read
+      float w[HG];
+      bool any = false;
+      for (int g = 0; g < HG; ++g) {
+        w[g] = ps[g * ld + j];
+        any |= w[g] != 0.f;
+      }
+      if (!any) continue;  // masked (or underflowed) for every head: never read
       const float* k = ks.key(r, j, D) + d0;
-      for (int i = 0; i < NV; ++i) acc[i] += load_vec(k + i * kLanes) * w;
+      for (int i = 0; i < NV; ++i) {
+        const vfloat kv = load_vec(k + i * kLanes);
+        for (int g = 0; g < HG; ++g) acc[g][i] += kv * w[g];
+      }
     }
   }
-  for (int i = 0; i < NV; ++i) {
-    const vfloat a = acc[i] * inv;
-    std::memcpy(out + d0 + i * kLanes, &a, sizeof(vfloat));
-  }
+  for (int g = 0; g < HG; ++g)
+    for (int i = 0; i < NV; ++i) {
+      const vfloat a = acc[g][i] * inv[g];
+      std::memcpy(out + g * D + d0 + i * kLanes, &a, sizeof(vfloat));
+    }
+}
+
+template <int HG>
+inline void weighted_heads(const std::vector<KeySource>& sets, const int64_t* lo, const int64_t* hi, int64_t r,
+                           const float* p, int64_t ld, int64_t D, const float* inv, float* out) {
+  int64_t d0 = 0;
+  for (; d0 + 4 * kLanes <= D; d0 += 4 * kLanes) weighted_keys<4, HG>(sets, lo, hi, r, p, ld, D, d0, inv, out);
+  for (; d0 + kLanes <= D; d0 += kLanes) weighted_keys<1, HG>(sets, lo, hi, r, p, ld, D, d0, inv, out);
+  for (; d0 < D; ++d0)  // a head size that is not a multiple of the vector width
+    for (int g = 0; g < HG; ++g) {
+      float acc = 0.f;
+      for (size_t s = 0; s < sets.size(); ++s)
+        for (int64_t j = lo[s]; j < hi[s]; ++j) {
+          const float w = p[g * ld + sets[s].offset + j];
+          if (w != 0.f) acc += w * sets[s].key(r, j, D)[d0];
+        }
+      out[g * D + d0] = acc * inv[g];
+    }
 }
 
 void attend_row(const std::vector<KeySource>& sets, int64_t r, const float* q, const float* sinks, int64_t H,
                 int64_t D, float scale, int64_t ld, float* lg, std::vector<float>& row_panel, int64_t* lo,
-                int64_t* hi, int64_t* c0, int64_t* c1, float* out) {
+                int64_t* hi, int64_t* c0, int64_t* c1, float* inv, float* out) {
   // Per set: the readable range [lo, hi) and the computed columns [c0, c1), whole panels around it.
   const size_t S = sets.size();
   for (size_t s = 0; s < S; ++s) {
@@ -175,21 +206,11 @@ void attend_row(const std::vector<KeySource>& sets, int64_t r, const float* q, c
       }
       sum += part;
     }
-    const float inv = 1.f / sum;
-    float* oh = out + h * D;
-    int64_t d0 = 0;
-    for (; d0 + 4 * kLanes <= D; d0 += 4 * kLanes) weighted_keys<4>(sets, lo, hi, r, l, D, d0, inv, oh);
-    for (; d0 + kLanes <= D; d0 += kLanes) weighted_keys<1>(sets, lo, hi, r, l, D, d0, inv, oh);
-    for (; d0 < D; ++d0) {  // a head size that is not a multiple of the vector width
-      float acc = 0.f;
-      for (size_t s = 0; s < S; ++s)
-        for (int64_t j = lo[s]; j < hi[s]; ++j) {
-          const float w = l[sets[s].offset + j];
-          if (w != 0.f) acc += w * sets[s].key(r, j, D)[d0];
-        }
-      oh[d0] = acc * inv;
-    }
+    inv[h] = 1.f / sum;
   }
+  int64_t h = 0;
+  for (; h + 2 <= H; h += 2) weighted_heads<2>(sets, lo, hi, r, lg + h * ld, ld, D, inv + h, out + h * D);
+  if (h < H) weighted_heads<1>(sets, lo, hi, r, lg + h * ld, ld, D, inv + h, out + h * D);
 }
 
 }  // namespace
@@ -262,9 +283,10 @@ torch::Tensor joint_attention(torch::Tensor q, torch::Tensor sinks, double scale
     std::vector<float> lg(std::max<int64_t>(1, H * ld));
     std::vector<float> row_panel(std::max<int64_t>(1, panel_cols * D));
     std::vector<int64_t> lo(S), hi(S), c0(S), c1(S);
+    std::vector<float> inv(H);
     for (int64_t r = begin; r < end; ++r)
       attend_row(sets, r, qp + r * H * D, sp, H, D, sc, ld, lg.data(), row_panel, lo.data(), hi.data(), c0.data(),
-                 c1.data(), op + r * H * D);
+                 c1.data(), inv.data(), op + r * H * D);
   });
   return out;
 }
