@@ -517,5 +517,5 @@ class HybridV4Attention:
 
     write = staticmethod(write_slots)  # cache rows into their slots; the Triton backend writes by kernel
     topk = staticmethod(cpu_indexer_topk)  # the Triton backend scores with its kernel
-    attend = staticmethod(cpu_joint_attention)
+    attend = staticmethod(cpu_joint_attention)  # the joint softmax; the Triton backend attends in its kernel
     swap_in = staticmethod(swap_in)  # HiSparse's hot-buffer swap-in; the Triton backend fuses it in one kernel

@@ -229,13 +229,20 @@ def _bench(args, model: str, C: int, O: int, contexts: list[int]) -> int:
           f"largest decode batch off {m_off}, on {m_on}; {m_on} requests:")
     off_r = run(LLM(model, **engine_kw(L, m_off, b2, None)), ps, O)
     on_r = run(LLM(model, **engine_kw(L, m_on, b2, 2 * topk)), ps, O)
-    same = off_r["tokens"] == on_r["tokens"]
+    # The exactness check needs the same schedule: at different batch sizes the prefill chunks
+    # split differently beside the decodes, and the rounding that follows can flip a greedy
+    # near-tie (measured at 16k: 1 of 33 requests, HiSparse off at batch 15 vs off at batch 33).
+    # So HiSparse on is compared with HiSparse off at its batch, budget unconstrained.
+    ref_r = run(LLM(model, **engine_kw(L, m_on, None, None)), ps, O)
+    same = on_r["tokens"] == ref_r["tokens"]
     identical &= same
-    for name, r in (("off", off_r), ("on", on_r)):
+    agree = sum(a == b for a, b in zip(off_r["tokens"], on_r["tokens"]))
+    for name, r in (("off", off_r), ("on", on_r), ("off at the on batch, no budget", ref_r)):
         print(f"   HiSparse {name:<3}: peak decoding batch {r['peak']:3d}  decode {r['decode_tok_s']:8.1f} tok/s  "
               f"preemptions {r['preemptions']}" + (f"  hit rate {r['stats'].hit_rate:.1%}" if r["stats"] else ""))
     print(f"   on/off: batch {on_r['peak'] / max(1, off_r['peak']):.2f}x, decode throughput "
-          f"{on_r['decode_tok_s'] / off_r['decode_tok_s']:.2f}x; outputs identical: {same}")
+          f"{on_r['decode_tok_s'] / off_r['decode_tok_s']:.2f}x; outputs identical to HiSparse off at the same batch: "
+          f"{same}; off at its own batch agrees on {agree} of {len(ps)} requests")
 
     print(f"\n3. hot-buffer hit rate vs size (2 x {C}-token prompts, {O} output tokens):")
     ps2 = prompts(2, C, 2, vocab)
