@@ -154,6 +154,19 @@ inline void weighted_heads(const std::vector<KeySource>& sets, const int64_t* lo
     }
 }
 
+// Sum of x[0, n) in an order fixed by n alone: kLanes partial sums over whole vectors from x[0],
+// then the tail, then the lanes in order. A row's softmax denominator then does not depend on
+// where its columns sit in a block's key list (a sliding window falls at another offset when the
+// prefill chunks split elsewhere), so a prompt's rows round alike however it was chunked.
+inline float ordered_sum(const float* x, int64_t n) {
+  vfloat acc = vfloat{};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) acc += load_vec(x + j);
+  float tail = 0.f;
+  for (; j < n; ++j) tail += x[j];
+  return hybridkv_cpu::hsum(acc) + tail;
+}
+
 void attend_row(const std::vector<KeySource>& sets, int64_t r, const float* q, const float* sinks, int64_t H,
                 int64_t D, float scale, int64_t ld, float* lg, std::vector<float>& row_panel, int64_t* lo,
                 int64_t* hi, int64_t* c0, int64_t* c1, float* inv, float* out) {
@@ -197,14 +210,9 @@ void attend_row(const std::vector<KeySource>& sets, int64_t r, const float* q, c
     float sum = exp_nonpositive(sinks[h] - m);
     for (size_t s = 0; s < S; ++s) {
       float* ls = l + sets[s].offset;
-      float part = 0.f;
-#pragma omp simd reduction(+ : part)
-      for (int64_t j = c0[s]; j < c1[s]; ++j) {
-        const float e = exp_nonpositive(ls[j] - m);  // -inf (unreadable) gives 0
-        ls[j] = e;
-        part += e;
-      }
-      sum += part;
+#pragma omp simd
+      for (int64_t j = c0[s]; j < c1[s]; ++j) ls[j] = exp_nonpositive(ls[j] - m);  // -inf (unreadable) gives 0
+      sum += ordered_sum(ls + lo[s], hi[s] - lo[s]);
     }
     inv[h] = 1.f / sum;
   }

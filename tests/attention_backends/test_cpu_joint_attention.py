@@ -144,3 +144,24 @@ def test_routing_falls_back_to_torch_where_the_kernel_does_not_apply(monkeypatch
     monkeypatch.setattr(hybrid_v4, "FUSED_ATTENTION_MAX_COLUMNS", 11)
     cpu_joint_attention(q, [(cache, ks)], sink, 0.3)
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("shift", [1, 3, 8, 13])
+def test_a_rows_output_does_not_depend_on_where_its_keys_sit_in_the_block(shift):
+    """The same rows over the same keys, with the shared list shifted by `shift` leading columns
+    they may not read (a prefill block that starts elsewhere when the chunks split at other
+    positions): bit-identical outputs, so a prompt's result does not depend on its chunking."""
+    g = torch.Generator().manual_seed(11)
+    n, H, D, L = 20, 4, 32, 150
+    cache = torch.randn(400, D, generator=g)
+    slots = torch.randperm(400, generator=g)
+    mask = torch.rand(n, L, generator=g) < 0.9
+    mask[:, :5] = False
+    ents = torch.randn(60, D, generator=g)
+    entries = KeySet(torch.arange(40), visible=torch.randint(0, 41, (n,), generator=g))
+    q, sink = torch.randn(n, H, D, generator=g), torch.randn(H, generator=g)
+    base = KeySet(slots[shift : shift + L].clone(), explicit_mask=mask)
+    moved = KeySet(slots[: shift + L].clone(), explicit_mask=torch.cat([torch.zeros(n, shift, dtype=torch.bool), mask], 1))
+    a = cpu_joint_attention(q, [(cache, base), (ents, entries)], sink, 0.3)
+    b = cpu_joint_attention(q, [(cache, moved), (ents, entries)], sink, 0.3)
+    assert torch.equal(a, b)
