@@ -27,14 +27,6 @@ def _built():
     assert kernel is not None, "the CPU indexer kernel did not build on this machine (g++ and ninja installed?)"
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    n = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(n)
-
-
 def _exact(g, *shape):
     return torch.randint(-2, 3, shape, generator=g).float()
 

@@ -25,14 +25,6 @@ def _built():
     assert kernel is not None, "the CPU joint-attention kernel did not build on this machine (g++ and ninja installed?)"
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    n = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(n)
-
-
 def _prefill_sets(g, n: int, window: int, entries: int, ratio: int, start: int, D: int):
     """A prefill block of n rows from position `start`: the shared sliding-window keys with their
     causal window mask, and shared causal entries (row t reads (t + 1) // ratio of them)."""
