@@ -69,6 +69,20 @@ def test_tail_takes_the_newest_freed_page_and_leaves_the_front_run_whole():
     s.check_invariants()
 
 
+def test_pages_from_the_free_list_come_in_address_order():
+    """Invariant: one allocation's pages taken from the free list are ascending, whatever order
+    they were freed in (an evicted prefix is freed deepest page first): the in-place kernels then
+    stream forward through a request's keys."""
+    s = BlockSpace(SpaceSpec("full"), 12, 16)
+    old = s.allocate(8)  # 1..8
+    rest = s.allocate(4)  # 9..12: the pool is full
+    for p in reversed(old):  # freed 8, 7, ..., 1
+        s.decref(p)
+    assert s.allocate(5) == [4, 5, 6, 7, 8]  # the oldest freed five, ascending
+    assert s.allocate(2, after=rest[-1]) == [2, 3]  # nothing follows 12: the front, ascending
+    s.check_invariants()
+
+
 def test_run_continuation_keeps_the_free_list_exact_and_bounded():
     """Invariant: pages taken out of order leave stale free-list entries that are never handed
     out, and the free list never grows past twice the free pages (plus slack) under any mix."""
