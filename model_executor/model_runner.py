@@ -19,6 +19,7 @@ from hybridkv.attention_backends.metadata import StepSequences, int_array
 from hybridkv.attention_backends.registry import get_attention_backend
 from hybridkv.block_manager.kv_cache_manager import KVCacheManager
 from hybridkv.model_executor.host_kv_cache import HostKVCache
+from hybridkv.model_executor.huge_pages import move_parameters_to_huge_pages
 from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
 from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
 from hybridkv.model_executor.checkpoint import iter_weights, load_config, resolve_dtype, weight_files
@@ -109,6 +110,8 @@ class ModelRunner:
             dequantize=self.dequantize_weights, paired=quantized_names,
         ))
         model.cast_to(self.dtype)
+        if self.device.type == "cpu":  # each decode step streams them: 2 MiB pages (huge_pages.py)
+            logger.info("weights on huge pages: %.0f MiB", move_parameters_to_huge_pages(model) / 2**20)
         self.model = model.eval()
         self.step_cost = model.step_cost()  # before packing: it counts parameters
         if self.device.type == "cpu" and self.model_packing_wanted():

@@ -8,6 +8,7 @@ from torch import nn
 
 from hybridkv.attention_backends.metadata import AttentionMetadata, StepSequences, build_attention_metadata
 from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
+from hybridkv.model_executor.huge_pages import empty_on
 from hybridkv.model_executor.layers import pack_linear_weights
 from hybridkv.model_executor.quantization import BlockQuantizedTensor, QuantizedWeightInstaller, quantized_weight_numel
 from hybridkv.model_executor.step_cost import StepCost, dense_step_cost
@@ -58,8 +59,8 @@ class CausalLM(nn.Module):
 
         Head-major [Hkv, slots, D] per layer: a gather of any slots yields one contiguous block per
         KV head, the layout the attention matmuls read fastest. Allocated uninitialised (a pool
-        of GiBs is not touched at startup); only the null page is zeroed, because every padded
-        or masked read of the backends points there."""
+        of GiBs is not touched at startup; on huge pages on the CPU, see huge_pages.py); only the
+        null page is zeroed, because every padded or masked read of the backends points there."""
         per_space: dict[str, list[nn.Module]] = {}
         for attn in self.attention_layers():
             per_space.setdefault(attn.space, []).append(attn)
@@ -68,7 +69,7 @@ class CausalLM(nn.Module):
             space = kv.spaces[name]
             slots = space.num_physical_pages * kv.page_size
             a = attns[0]
-            cache = torch.empty(len(attns), 2, a.num_kv_heads, slots, a.head_dim, dtype=dtype, device=device)
+            cache = empty_on(device, len(attns), 2, a.num_kv_heads, slots, a.head_dim, dtype=dtype)
             null = space.spec.slots_per_page(kv.page_size)
             cache[:, :, :, NULL_PAGE * null : (NULL_PAGE + 1) * null].zero_()
             for i, attn in enumerate(attns):

@@ -18,6 +18,7 @@ from hybridkv.attention_backends.hybrid_metadata import (
 from hybridkv.attention_backends.hisparse_reads import build_hisparse_step
 from hybridkv.attention_backends.metadata import StepSequences
 from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
+from hybridkv.model_executor.huge_pages import empty_on
 from hybridkv.model_executor.models.base import CausalLM
 from hybridkv.model_executor.models.deepseek_v4.attention import (
     CompressorCache, V4Attention, V4LayerCache, hybrid_backend,
@@ -140,7 +141,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         caches: dict[str, list[torch.Tensor]] = {name: [] for name in kv.spaces}
 
         def pool(space: str, *shape: int, dtype: torch.dtype) -> torch.Tensor:
-            t = torch.empty(*shape, dtype=dtype, device=device)
+            t = empty_on(device, *shape, dtype=dtype)  # huge pages on the CPU: decode streams these
             t.narrow(-2, NULL_PAGE * null[space], null[space]).zero_()
             caches[space].append(t)
             return t

@@ -1,0 +1,86 @@
+"""huge_pages: large CPU tensors start on a 2 MiB boundary and are advised MADV_HUGEPAGE before
+first touch; small ones, views and the off switch stay plain; moving weights keeps their values
+and their ties."""
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hybridkv.model_executor import huge_pages
+from hybridkv.model_executor.huge_pages import (
+    HUGE_PAGE_BYTES, empty_on, huge_empty, move_parameters_to_huge_pages, on_huge_pages,
+)
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+linux_thp = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or huge_pages._madvise() is None or not THP.exists()
+    or "[never]" in THP.read_text(),
+    reason="needs Linux with transparent huge pages not set to never",
+)
+
+
+def vma_flags(addr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds addr."""
+    fields, inside = {}, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if m:
+            inside = int(m.group(1), 16) <= addr < int(m.group(2), 16)
+            continue
+        if inside and ":" in line:
+            key, value = line.split(":", 1)
+            fields[key] = value.strip()
+    return fields
+
+
+@linux_thp
+def test_large_tensor_is_aligned_and_advised_before_first_touch():
+    t = huge_empty(3, 1 << 20, dtype=torch.float32)  # 12 MiB
+    assert t.shape == (3, 1 << 20) and t.dtype == torch.float32 and t.is_contiguous()
+    assert t.data_ptr() % HUGE_PAGE_BYTES == 0, "storage must start on a huge-page boundary"
+    # VM_HUGEPAGE shows as "hg" in VmFlags once madvise(MADV_HUGEPAGE) took effect
+    assert "hg" in vma_flags(t.data_ptr() + HUGE_PAGE_BYTES).get("VmFlags", "").split()
+    t.fill_(1.5)
+    assert float(t.sum()) == 1.5 * t.numel()
+
+
+def test_small_tensor_and_the_off_switch_are_plain(monkeypatch):
+    small = huge_empty(16, 16, dtype=torch.float32)
+    assert small.shape == (16, 16) and small.untyped_storage().nbytes() == 16 * 16 * 4
+    monkeypatch.setenv(huge_pages.ENV_SWITCH, "0")
+    big = huge_empty(1 << 20, dtype=torch.float32)
+    assert big.untyped_storage().nbytes() == 4 << 20, "off: a plain torch.empty, no padding"
+    w = torch.randn(1 << 20)
+    assert on_huge_pages(w) is w
+
+
+@linux_thp
+def test_on_huge_pages_copies_owners_and_leaves_views_alone():
+    owner = torch.randn(1 << 20)  # 4 MiB
+    moved = on_huge_pages(owner)
+    assert moved is not owner and torch.equal(moved, owner) and moved.data_ptr() % HUGE_PAGE_BYTES == 0
+    view = torch.randn(2 << 20)[: 1 << 20]  # half of a larger storage: a copy would double memory
+    assert on_huge_pages(view) is view
+    transposed = torch.randn(1024, 2048).t()  # not contiguous: copying would change its strides
+    assert on_huge_pages(transposed) is transposed
+
+
+@linux_thp
+def test_move_parameters_keeps_values_and_ties():
+    model = nn.Sequential(nn.Embedding(4096, 256), nn.Linear(256, 4096, bias=False), nn.Linear(8, 8))
+    model[1].weight = model[0].weight  # tied, 4 MiB
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moved = move_parameters_to_huge_pages(model)
+    assert moved == 4096 * 256 * 4, "the tied weight moves once; the 8x8 one is too small"
+    assert model[1].weight is model[0].weight
+    assert model[0].weight.data_ptr() % HUGE_PAGE_BYTES == 0
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])
+
+
+def test_empty_on_other_devices_is_torch_empty():
+    t = empty_on("meta", 4, 4, dtype=torch.float16)
+    assert t.device.type == "meta" and t.shape == (4, 4)
