@@ -2,8 +2,7 @@
 
 A decode step reads each weight and every key it scores once, mostly from DRAM. With 4 KiB pages
 each 4 KiB of that costs a TLB miss and a page walk (a 540 MB fp32 model is 135k of them per
-token; V4's indexer keys at 128k context are 2k per CSA layer per step), and the hardware
-prefetchers stop at every 4 KiB boundary. Linux backs memory with 2 MiB pages where a process
+token; V4's indexer keys at 128k context are 2k per CSA layer per step). Linux backs memory with 2 MiB pages where a process
 asks for them with madvise(MADV_HUGEPAGE) before first touching it ("madvise", the usual THP
 setting; "always" needs no asking, "never" ignores it). PyTorch's allocator only asks when the
 environment had THP_MEM_ALLOC_ENABLE=1 at import, so the engine asks itself, for the few large
