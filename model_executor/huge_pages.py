@@ -18,11 +18,12 @@ import ctypes
 import ctypes.util
 import logging
 import math
-import os
 import sys
 from functools import lru_cache
 
 import torch
+
+from hybridkv.attention_backends.cpu_kernels.build import switch_on
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ ENV_SWITCH = "HYBRIDKV_HUGE_PAGES"
 
 def huge_pages_enabled() -> bool:
     """False when HYBRIDKV_HUGE_PAGES is 0/false/off/no (the A/B switch)."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+    return switch_on(ENV_SWITCH)  # the same rule as HYBRIDKV_CPU_KERNELS
 
 
 @lru_cache(maxsize=1)
@@ -54,7 +55,7 @@ def _madvise():
 def huge_empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     """torch.empty(*shape, dtype=dtype) on the CPU whose storage starts on a 2 MiB boundary and
     was advised MADV_HUGEPAGE before first touch (see the module docstring for when it is not)."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     madvise = _madvise()
     if nbytes < HUGE_PAGE_BYTES or madvise is None or not huge_pages_enabled():
         return torch.empty(*shape, dtype=dtype)

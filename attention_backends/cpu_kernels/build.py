@@ -22,9 +22,14 @@ ENV_SWITCH = "HYBRIDKV_CPU_KERNELS"
 _SHARED_HEADER = Path(__file__).with_name("cpu_math.h")
 
 
+def switch_on(variable: str) -> bool:
+    """An on-by-default environment switch: False only when it is 0/false/off/no."""
+    return os.environ.get(variable, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def kernels_enabled() -> bool:
-    """False when HYBRIDKV_CPU_KERNELS is 0/false/off."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+    """False when HYBRIDKV_CPU_KERNELS is 0/false/off/no."""
+    return switch_on(ENV_SWITCH)
 
 
 def isa_flags() -> tuple[str, list[str]]:

@@ -81,6 +81,20 @@ def test_move_parameters_keeps_values_and_ties():
         assert torch.equal(p, before[n])
 
 
+def test_a_refused_or_missing_madvise_still_gives_a_working_tensor(monkeypatch):
+    """madvise failing (EINVAL under THP "never" on some kernels) or absent (not Linux): the
+    tensor is still the right shape and holds what is written; only the pages differ."""
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: (lambda addr, length, advice: -1))
+    t = huge_empty(1 << 20, dtype=torch.float32)
+    t.copy_(torch.arange(1 << 20, dtype=torch.float32))
+    assert t.shape == (1 << 20,) and float(t[-1]) == (1 << 20) - 1
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: None)
+    plain = huge_empty(1 << 20, dtype=torch.float32)
+    assert plain.untyped_storage().nbytes() == 4 << 20, "no madvise: a plain torch.empty"
+    w = torch.randn(1 << 20)
+    assert on_huge_pages(w) is w
+
+
 def test_empty_on_other_devices_is_torch_empty():
     t = empty_on("meta", 4, 4, dtype=torch.float16)
     assert t.device.type == "meta" and t.shape == (4, 4)
