@@ -1,0 +1,21 @@
+"""benchmarks/closed_loop.py runs end to end on a tiny checkpoint: a closed loop of streamed
+requests (more prompts than the concurrency, so finished requests are replaced), every request
+answered, and a parseable RESULT line whose step accounting covers the prompts. Timings are not
+asserted; the figures live in benchmarks/README.md."""
+from __future__ import annotations
+
+from bench_runner import load_benchmark, result_fields
+
+closed_loop = load_benchmark("closed_loop")
+
+
+def test_closed_loop_answers_every_request_and_accounts_for_the_steps(tiny_ckpt, capsys):
+    path = tiny_ckpt("llama")
+    rc = closed_loop.main(["--model", path, "--num-prompts", "6", "--concurrency", "2", "--input-len", "40",
+                           "--output-len", "5", "--max-num-batched-tokens", "64", "--threads", "1"])
+    res = result_fields(capsys.readouterr().out)
+    assert rc == 0
+    assert float(res["req_s"]) > 0 and float(res["ttft"]) > 0 and float(res["tpot"]) > 0, res
+    # 6 prompts of 40 tokens in chunks of at most 64 tokens: at least 4 steps computed prompt tokens.
+    assert int(float(res["prefill_steps"])) >= 4, res
+    assert 0 < float(res["prefill_tokens"]) <= 64, res
