@@ -27,7 +27,9 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
-#include <immintrin.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>  // lanes_above's compare
+#endif
 
 #include <algorithm>
 #include <cstdint>
