@@ -18,13 +18,18 @@ Nothing is asserted; one warm-up pass of C requests runs before the measured one
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-from hybridkv import LLM, SamplingParams
-from hybridkv.entrypoints.cli import SERVE_TARGET_STEP_SECONDS
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from online_peer import add_load_args  # noqa: E402
+
+from hybridkv import LLM, SamplingParams  # noqa: E402
+from hybridkv.entrypoints.cli import SERVE_TARGET_STEP_SECONDS  # noqa: E402
 
 
 def run(llm: LLM, prompts: list[list[int]], output_len: int, concurrency: int, tag: str) -> dict:
@@ -79,12 +84,7 @@ def run(llm: LLM, prompts: list[list[int]], output_len: int, concurrency: int, t
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="HF checkpoint folder (default: the demo model)")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=512)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=16)
+    add_load_args(ap)  # the same load as online_peer.py's
     ap.add_argument("--target-step-seconds", type=float, default=SERVE_TARGET_STEP_SECONDS,
                     help=f"the scheduler's step target (default: serve's, {SERVE_TARGET_STEP_SECONDS}; 0 = off)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")

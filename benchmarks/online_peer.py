@@ -147,14 +147,20 @@ def table(results: dict[str, dict[str, float]]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_load_args(ap: argparse.ArgumentParser) -> None:
+    """The model and the load shape (Load's defaults: issue 13's), shared with closed_loop.py."""
+    load = Load()
     ap.add_argument("--model", default=None, help="HF checkpoint folder (default: the demo model)")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=512)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--num-prompts", type=int, default=load.num_prompts)
+    ap.add_argument("--input-len", type=int, default=load.input_len)
+    ap.add_argument("--output-len", type=int, default=load.output_len)
+    ap.add_argument("--concurrency", type=int, default=load.concurrency)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_load_args(ap)
     ap.add_argument("--repeats", type=int, default=1, help="measured passes per server (median reported)")
     ap.add_argument("--warmup-prompts", type=int, default=16, help="requests of the same shape before measuring")
     ap.add_argument("--serve-args", default="", help="extra flags for `hybridkv serve`")
