@@ -1,21 +1,28 @@
-"""Per-step metadata for hybrid (DeepSeek-V4-style) attention over five paged spaces.
+"""Per-step metadata for hybrid (DeepSeek-V4-style) attention over its paged spaces.
 
 Spaces (names fixed by the model's SpaceSpecs):
-  swa      one slot per token, windowed: K(=V) of every layer's sliding branch
-  state    one slot per token, windowed: raw compressor rows (C, Z) a window needs to close
-  c4       one slot per csa_ratio tokens: CSA compressed entries
-  indexer  one slot per csa_ratio tokens: lightning-indexer keys (same entry index as c4)
-  c128     one slot per hca_ratio tokens: HCA compressed entries
+  swa         one slot per token, windowed: K(=V) of every layer's sliding branch
+  state_c4    windowed ring of 2*csa_ratio rows per page: raw CSA rows (C, Z) (main and
+              indexer compressors) a window still needs to close
+  state_c128  windowed ring of hca_ratio rows per page: the same for the HCA compressors
+  c4          one slot per csa_ratio tokens: CSA compressed entries
+  indexer     one slot per csa_ratio tokens: lightning-indexer keys (same entry index as c4)
+  c128        one slot per hca_ratio tokens: HCA compressed entries
 Page i of every space covers tokens [i*P, (i+1)*P); a space with r tokens per slot holds
-P/r slots per page, so entry w lives in page w // (P/r), slot w % (P/r).
+P/r slots per page, so entry w lives in page w // (P/r), slot w % (P/r). A state page is a
+ring of N = rows-per-window slots (token t at slot t % P % N of its page): a window closing
+reads at most N rows back, so only the pages' last N rows are ever read again. Rows of tokens
+new this step come from the step's own projections, not the ring (a long chunk laps it), and
+only the rows a later step may read are written: each sequence's and each page's last N.
 
 Built once per step (host side, vectorised) from the step's block-table rows
 (StepSequences.block_tables, NULL_PAGE = 0 where a sequence holds no page), shared by every
 layer. Every padded or masked read points at slot 0 of the null page (zeros, never written),
 so the pools can be allocated uninitialised:
-  * slot mappings where the new tokens' SWA keys and state rows are written,
-  * compression plans: for every window that closes inside this step (token (w+1)m-1 is
-    new), the state slots of the rows it pools and the slots its entry is written to,
+  * slot mappings where the new tokens' SWA keys are written,
+  * compression plans: which new rows each state ring keeps (and where), and for every window
+    that closes inside this step (token (w+1)m-1 is new), where each row it pools comes from
+    (this step's rows or the ring) and the slots its entry is written to,
   * query blocks: groups of queries with the SWA keys and the causal compressed entries
     each may read. Decode queries are batched in padded blocks (per-query key lists);
     prefill chunks are split into row blocks sharing one key list, so memory stays bounded
@@ -35,7 +42,20 @@ from hybridkv.block_manager.space_spec import NULL_PAGE, window_start
 PREFILL_BLOCK_ROWS = 256  # queries per prefill block (bounds the [rows, keys] score tensors)
 DECODE_BLOCK_SEQS = 64  # decode sequences per padded block
 
-SWA, STATE, C4, INDEXER, C128 = "swa", "state", "c4", "indexer", "c128"
+SWA, C4, INDEXER, C128 = "swa", "c4", "indexer", "c128"
+STATE_C4, STATE_C128 = "state_c4", "state_c128"
+
+
+def compressor_kinds(csa_ratio: int | None, hca_ratio: int | None) -> dict[str, tuple[int, bool, str]]:
+    """Plan kind -> (ratio, overlap, state space) for the compressors a model has: the one place
+    the model's state spaces and the metadata agree on. A window pools 2m rows (CSA, overlapping)
+    or m (HCA), which is both the state space's window and its ring."""
+    out = {}
+    if csa_ratio:
+        out["csa"] = (csa_ratio, True, STATE_C4)
+    if hca_ratio:
+        out["hca"] = (hca_ratio, False, STATE_C128)
+    return out
 
 
 @dataclass(frozen=True)
@@ -54,6 +74,9 @@ class HybridLayout:
         if self.hca_ratio:
             out[C128] = self.hca_ratio
         return out
+
+    def compressors(self) -> dict[str, tuple[int, bool, str]]:
+        return compressor_kinds(self.csa_ratio, self.hca_ratio)
 
 
 def _is_run(slots: torch.Tensor) -> bool:
@@ -186,27 +209,41 @@ class QueryBlock:
 
 @dataclass
 class CompressionPlan:
-    """Windows that close this step, for one compressor kind."""
+    """One compressor kind's work this step: the raw rows its state ring keeps, and the windows
+    that close."""
 
     ratio: int
     overlap: bool
-    row_slots: torch.Tensor  # [E, rows_per_entry] state slots, window order
+    state_space: str
+    write_rows: torch.Tensor  # [n] step rows the ring keeps (each sequence's and each page's last 2m / m)
+    write_slots: torch.Tensor  # [n] their ring slots
+    row_new: torch.Tensor  # [E, rows_per_entry] step row of each pooled row new this step (else 0)
+    row_slots: torch.Tensor  # [E, rows_per_entry] ring slot of each pooled row from before the step (else null)
     row_valid: torch.Tensor  # [E, rows_per_entry] False for rows before position 0
     positions: torch.Tensor  # [E] first token of each window (its RoPE position)
     out_slots: dict[str, torch.Tensor]  # space -> [E] slot of the new entry
     seq: torch.Tensor | None = None  # [E] the step's sequence index of each entry
     entry: torch.Tensor | None = None  # [E] the entry's index in its sequence (w)
+    cached: tuple[torch.Tensor, ...] = ()  # index of the pooled rows read from the ring
 
     @property
     def num_entries(self) -> int:
         return self.positions.numel()
+
+    def gather_rows(self, ring: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+        """[E, rows_per_entry, width]: every closing window's rows in window order, from this
+        step's rows `fresh` [T, width] and the ring [slots, width] (rows before the step: at
+        most 2m - 1 per sequence). Rows before position 0 hold any value: pool masks them."""
+        rows = fresh[self.row_new]
+        if self.cached:
+            rows[self.cached] = ring[self.row_slots[self.cached]]
+        return rows
 
 
 @dataclass
 class HybridAttentionMetadata:
     num_tokens: int
     swa_slot_mapping: torch.Tensor  # [T]
-    state_slot_mapping: torch.Tensor  # [T]
     plans: dict[str, CompressionPlan]  # "csa" / "hca"
     blocks: list[QueryBlock]
     num_decodes: int = 0  # blocks' rows below this are one-query sequences
@@ -218,8 +255,9 @@ class HybridAttentionMetadata:
 
     def slot_mappings(self) -> dict[str, torch.Tensor]:
         """Space -> every slot this step writes (the runner's null-page debug check reads it)."""
-        out = {SWA: self.swa_slot_mapping, STATE: self.state_slot_mapping}
+        out = {SWA: self.swa_slot_mapping}
         for plan in self.plans.values():
+            out[plan.state_space] = plan.write_slots
             for space, slots in plan.out_slots.items():
                 out[space] = torch.cat([out[space], slots]) if space in out else slots
         return out
@@ -245,37 +283,63 @@ def _masked(slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, slots, NULL_SLOT)
 
 
-def _plan(
-    seqs: StepSequences, layout: HybridLayout, ratio: int, overlap: bool, out_spaces: list[str]
-) -> CompressionPlan:
+@dataclass
+class _StepTokens:
+    """The step's flat token batch: each row's sequence and position, each sequence's first row."""
+
+    seq: torch.Tensor  # [T]
+    pos: torch.Tensor  # [T]
+    first_row: torch.Tensor  # [B]
+    start: torch.Tensor  # [B] first new position (tokens already computed)
+    ctx: torch.Tensor  # [B] positions after the step
+
+
+def _plan(seqs: StepSequences, layout: HybridLayout, kind: str, out_spaces: list[str], tok: _StepTokens) -> CompressionPlan:
     """Every window that closes this step, for every sequence at once (no per-sequence loop)."""
     P = layout.page_size
+    ratio, overlap, space = layout.compressors()[kind]
     rows = (2 if overlap else 1) * ratio
-    ctx = torch.tensor(seqs.context_lens)
-    lo = (ctx - torch.tensor(seqs.query_lens)) // ratio
-    count = ctx // ratio - lo  # windows whose last token is new this step, per sequence
+    spp = min(rows, P)  # the ring (SpaceSpec.slots_per_page of the state space)
+    state = seqs.block_tables[space]
+    # The ring keeps the rows a later window may still read: each sequence's last `rows`, and
+    # each page's last `rows` (a page end is where a prefix hit resumes, from a cached page
+    # whose ring must be its own). Per page that is at most `rows` consecutive positions.
+    keep = (tok.pos >= tok.ctx[tok.seq] - rows) | (tok.pos % P >= P - rows)
+    write_rows = keep.nonzero().squeeze(1)
+    wpos, wseq = tok.pos[write_rows], tok.seq[write_rows]
+    wpage = state[wseq, (wpos // P).clamp(max=state.shape[1] - 1)]
+    if bool((wpage == NULL_PAGE).any()):
+        raise AssertionError(f"a write reached a {space!r} page the sequence does not hold")
+    write_slots = wpage * spp + wpos % P % spp
+    lo = tok.start // ratio
+    count = tok.ctx // ratio - lo  # windows whose last token is new this step, per sequence
     total = int(count.sum())
     if total == 0:
         empty = torch.empty(0, dtype=torch.long)
-        return CompressionPlan(ratio, overlap, torch.empty(0, rows, dtype=torch.long),
+        none = torch.empty(0, rows, dtype=torch.long)
+        return CompressionPlan(ratio, overlap, space, write_rows, write_slots, none, none,
                                torch.empty(0, rows, dtype=torch.bool), empty, {s: empty for s in out_spaces},
                                empty, empty)
-    seq = torch.repeat_interleave(torch.arange(ctx.shape[0]), count)
+    seq = torch.repeat_interleave(torch.arange(tok.ctx.shape[0]), count)
     w = lo[seq] + torch.arange(total) - (torch.cumsum(count, 0) - count)[seq]
     pos = (w * ratio - (ratio if overlap else 0))[:, None] + torch.arange(rows)[None, :]
     valid = pos >= 0
-    state = seqs.block_tables[STATE]
+    start = tok.start[seq][:, None]
+    new = pos >= start
+    row_new = torch.where(new, tok.first_row[seq][:, None] + pos - start, 0)
+    cached = valid & ~new
     clamped = pos.clamp(min=0)
     page = state[seq[:, None], (clamped // P).clamp(max=state.shape[1] - 1)]
-    if bool(((page == NULL_PAGE) & valid).any()):
+    if bool(((page == NULL_PAGE) & cached).any()):
         raise AssertionError("compression needs state rows from a released page; the state window is too small")
-    row_slots = _masked(page * P + clamped % P, valid)
-    spp = P // ratio
+    row_slots = _masked(page * spp + clamped % P % spp, cached)
     out = {}
-    for space in out_spaces:
-        table = seqs.block_tables[space]
-        out[space] = table[seq, (w // spp).clamp(max=table.shape[1] - 1)] * spp + w % spp
-    return CompressionPlan(ratio, overlap, row_slots, valid, w * ratio, out, seq, w)
+    for space_name in out_spaces:
+        table = seqs.block_tables[space_name]
+        e = P // ratio
+        out[space_name] = table[seq, (w // e).clamp(max=table.shape[1] - 1)] * e + w % e
+    return CompressionPlan(ratio, overlap, space, write_rows, write_slots, row_new, row_slots, valid, w * ratio,
+                           out, seq, w, cached.nonzero(as_tuple=True) if bool(cached.any()) else ())
 
 
 def _decode_blocks(seqs: StepSequences, layout: HybridLayout, nd: int) -> list[QueryBlock]:
@@ -330,26 +394,20 @@ def _prefill_blocks(seqs: StepSequences, layout: HybridLayout, i: int, row0: int
 def build_hybrid_metadata(seqs: StepSequences, layout: HybridLayout) -> HybridAttentionMetadata:
     """Token order: the one-query sequences first (decodes), then prefill chunks (as the runner orders them)."""
     P = layout.page_size
-    # Where the new tokens' SWA keys and state rows go: one gather over the flat batch.
+    # Each new token's sequence and position: one pass over the flat batch.
     q_lens = torch.tensor(seqs.query_lens)
+    ctx = torch.tensor(seqs.context_lens)
     seq_of_token = torch.repeat_interleave(torch.arange(len(seqs.query_lens)), q_lens)
     first_row = torch.cumsum(q_lens, 0) - q_lens
-    positions = (torch.tensor(seqs.context_lens) - q_lens)[seq_of_token] + torch.arange(seq_of_token.shape[0])
-    positions = positions - first_row[seq_of_token]
+    positions = (ctx - q_lens)[seq_of_token] + torch.arange(seq_of_token.shape[0]) - first_row[seq_of_token]
+    tok = _StepTokens(seq_of_token, positions, first_row, ctx - q_lens, ctx)
 
-    def write_slots(space: str) -> torch.Tensor:
-        table = seqs.block_tables[space]
-        page = table[seq_of_token, (positions // P).clamp(max=table.shape[1] - 1)]
-        if bool((page == NULL_PAGE).any()):
-            raise AssertionError(f"a write reached a {space!r} page the sequence does not hold")
-        return page * P + positions % P
-
-    empty = torch.empty(0, dtype=torch.long)
-    plans = {}
-    if layout.csa_ratio:
-        plans["csa"] = _plan(seqs, layout, layout.csa_ratio, True, [C4, INDEXER])
-    if layout.hca_ratio:
-        plans["hca"] = _plan(seqs, layout, layout.hca_ratio, False, [C128])
+    table = seqs.block_tables[SWA]
+    page = table[seq_of_token, (positions // P).clamp(max=table.shape[1] - 1)]
+    if bool((page == NULL_PAGE).any()):
+        raise AssertionError(f"a write reached a {SWA!r} page the sequence does not hold")
+    out_spaces = {"csa": [C4, INDEXER], "hca": [C128]}
+    plans = {kind: _plan(seqs, layout, kind, out_spaces[kind], tok) for kind in layout.compressors()}
     nd = seqs.num_decodes
     blocks = _decode_blocks(seqs, layout, nd) if nd else []
     row = nd
@@ -358,8 +416,7 @@ def build_hybrid_metadata(seqs: StepSequences, layout: HybridLayout) -> HybridAt
         row += seqs.query_lens[i]
     return HybridAttentionMetadata(
         num_tokens=sum(seqs.query_lens),
-        swa_slot_mapping=write_slots(SWA),
-        state_slot_mapping=write_slots(STATE) if STATE in seqs.block_tables else empty,
+        swa_slot_mapping=page * P + positions % P,
         plans=plans,
         blocks=blocks,
         num_decodes=nd,

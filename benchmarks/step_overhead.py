@@ -11,7 +11,7 @@ reads the block tables in place; --decode-tiles forces them) -> a fixed sampled 
 update_after_step (publish pages, release out-of-window pages, move locks). Allocation runs
 against the real pools, so windowed spaces (DeepSeek-V4's swa/state) evict as in steady state.
 
-Layouts: dense (one "full" space, page 16) and DeepSeek-V4's five spaces (page 128, window
+Layouts: dense (one "full" space, page 16) and DeepSeek-V4's six spaces (page 128, window
 128, ratios 4/128). A second table runs 16 requests decoding over one shared cached prefix of
 10k / 100k / 1M tokens (the lock-move case: each page a request completes moves its lock one
 page deeper), scheduler + block manager only — attention metadata over a 1M-token context is
@@ -62,7 +62,8 @@ def v4_layout():
         SpaceSpec("c4", 4, 64),
         SpaceSpec("c128", 128, 64),
         SpaceSpec("indexer", 4, 32),
-        SpaceSpec("state", 1, 256, window=128),
+        SpaceSpec("state_c4", 1, 192, window=8, ring=8),
+        SpaceSpec("state_c128", 1, 64, window=128, ring=128),
     ]
     return specs, 128, HybridLayout(128, 128, 4, 128)
 

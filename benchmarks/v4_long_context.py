@@ -18,7 +18,7 @@ and all causal C128 entries), divided by the measured prefill time, and shown ag
 GEMM throughput measured right before and right after that prefill (a 2048^3 matmul on the
 same threads). Peak RSS is
 reported with the bound the block sizes give the transient memory (independent of context).
-Also: KV bytes per token the engine holds (all five spaces) vs a dense cache, and the same
+Also: KV bytes per token the engine holds (all its spaces) vs a dense cache, and the same
 arithmetic at DeepSeek-V4-Flash dimensions.
 
     python benchmarks/v4_long_context.py [--contexts 1024 4096 16384 65536 131072] [--threads 2] [--profile]

@@ -126,9 +126,9 @@ class KVCacheManager:
         self.specs = {s.name: s for s in specs}
         self.spaces = {s.name: BlockSpace(s, num_pages[s.name], page_size) for s in specs}
         self.block_tables = {s.name: BlockTable(max_pages_per_request, max_requests) for s in specs}
-        # (name, tokens_per_slot, slots_per_page, space) per space: what the page-count
-        # arithmetic of the hot paths reads.
-        self._layout = [(s.name, s.tokens_per_slot, s.slots_per_page(page_size), self.spaces[s.name]) for s in specs]
+        # (name, tokens_per_slot, entries_per_page, space) per space: what the page-count
+        # arithmetic of the hot paths reads (entries a page stands for, not its ring slots).
+        self._layout = [(s.name, s.tokens_per_slot, s.entries_per_page(page_size), self.spaces[s.name]) for s in specs]
         self.enable_prefix_caching = enable_prefix_caching
         self.host_tier = (
             HostTier({s.name: HostPool(s.name, host_pages[s.name]) for s in specs}, hicache_write_policy)
@@ -338,8 +338,8 @@ class KVCacheManager:
         the new pages (continuing the run of its last page, or from the free list's back for a
         decode). A lean loop: at hundreds of running decodes, a dozen of these run every step."""
         index, grows = self.index, []
-        for name, tokens_per_slot, slots_per_page, space in self._layout:
-            n = -(-(num_tokens // tokens_per_slot) // slots_per_page) - len(req.tables[name])
+        for name, tokens_per_slot, entries_per_page, space in self._layout:
+            n = -(-(num_tokens // tokens_per_slot) // entries_per_page) - len(req.tables[name])
             if n > 0:
                 # can_allocate's rule (free + evictable), inline: no dict per call on this path
                 if n > space.num_free + (index.evictable[name] if index is not None else 0):
@@ -361,8 +361,8 @@ class KVCacheManager:
             after = None if decode or not table else table[-1]
             self._extend(req, name, space.allocate(n, after=after, tail=decode))
         req.grow_at = min(
-            (len(req.tables[name]) * slots_per_page + 1) * tokens_per_slot
-            for name, tokens_per_slot, slots_per_page, _ in self._layout
+            (len(req.tables[name]) * entries_per_page + 1) * tokens_per_slot
+            for name, tokens_per_slot, entries_per_page, _ in self._layout
         )
 
     def _add_row(self) -> int:

@@ -24,24 +24,38 @@ def window_start(pos, window: int | None):
 class SpaceSpec:
     """Declares a block space a model needs.
 
-    name            "full" | "swa" | "c4" | "c128" | "indexer" | "state" (extensible)
+    name            "full" | "swa" | "c4" | "c128" | "indexer" | "state_c4" | "state_c128" (extensible)
     tokens_per_slot tokens folded into one slot (1 for raw KV, 4 for C4, ...)
     bytes_per_slot  bytes of one slot summed over every layer that uses this space
     window          None = the whole history is read again; N = only the last N tokens are
+    ring            None = a page has a slot per tokens_per_slot of its P tokens; N = a page is
+                    a ring of N slots: token t writes slot t % N of its page, so the page keeps
+                    only the last N tokens it saw. For a windowed space whose reads go at most
+                    N tokens back (a compressor's pending rows: 8 for C4, 128 for C128), this
+                    keeps the page at N slots instead of P -- the page still stands for the same
+                    P tokens, so block tables, window release and the shadow index are unchanged.
     """
 
     name: str
     tokens_per_slot: int = 1
     bytes_per_slot: int = 0
     window: int | None = None
+    ring: int | None = None
 
     def __post_init__(self) -> None:
         if self.tokens_per_slot < 1:
             raise ValueError(f"space {self.name!r}: tokens_per_slot must be >= 1")
         if self.window is not None and self.window < 1:
             raise ValueError(f"space {self.name!r}: window must be None or >= 1")
+        if self.ring is not None:
+            # A ring overwrites a token's slot N tokens later: only a windowed raw space whose
+            # reads never go further back than N may use one.
+            if self.window is None or self.tokens_per_slot != 1 or not 1 <= self.window <= self.ring:
+                raise ValueError(f"space {self.name!r}: a ring of {self.ring} slots needs a raw windowed space "
+                                 f"with window <= ring (tokens_per_slot {self.tokens_per_slot}, window {self.window})")
 
-    def slots_per_page(self, page_size: int) -> int:
+    def entries_per_page(self, page_size: int) -> int:
+        """Logical entries (tokens_per_slot tokens each) one page stands for."""
         if page_size % self.tokens_per_slot:
             raise ValueError(
                 f"page size {page_size} is not a multiple of space {self.name!r}'s "
@@ -49,11 +63,20 @@ class SpaceSpec:
             )
         return page_size // self.tokens_per_slot
 
+    def slots_per_page(self, page_size: int) -> int:
+        """Physical slots of one page (what pools, page copies and bytes are sized by)."""
+        entries = self.entries_per_page(page_size)
+        return entries if self.ring is None else min(self.ring, entries)
+
+    def slot_in_page(self, pos, page_size: int):
+        """Slot within its page of the raw token at position pos (ints or integer tensors)."""
+        return pos % page_size % self.slots_per_page(page_size)  # a ring: the page's last N tokens are distinct
+
     def pages_for(self, num_tokens: int, page_size: int) -> int:
         """Pages holding the slots of the first num_tokens tokens. A slot exists once all its
         tokens_per_slot tokens do, so compressed spaces lag raw ones (C4 page i is taken when
         token i*P + 3 arrives, not token i*P)."""
-        return -(-(num_tokens // self.tokens_per_slot) // self.slots_per_page(page_size))
+        return -(-(num_tokens // self.tokens_per_slot) // self.entries_per_page(page_size))
 
     def bytes_per_page(self, page_size: int) -> int:
         return self.slots_per_page(page_size) * self.bytes_per_slot

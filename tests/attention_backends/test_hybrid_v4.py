@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridkv.attention_backends.hybrid_metadata import (
-    C4, C128, INDEXER, STATE, SWA, HybridLayout, build_hybrid_metadata,
+    C4, C128, INDEXER, STATE_C4, STATE_C128, SWA, HybridLayout, build_hybrid_metadata,
 )
 from hybridkv.attention_backends import hybrid_v4
 from hybridkv.attention_backends.hybrid_metadata import KeySet
@@ -23,7 +23,9 @@ from tiny_deepseek_v4 import single_thread
 
 P, W, CSA, HCA = 8, 5, 2, 4  # page size, sliding window, ratios (P is a multiple of both)
 H, D, NI, CI, TOPK = 3, 16, 4, 8, 3
-SPACES = {SWA: 1, STATE: 1, C4: CSA, INDEXER: CSA, C128: HCA}
+SPACES = {SWA: 1, STATE_C4: 1, STATE_C128: 1, C4: CSA, INDEXER: CSA, C128: HCA}
+RINGS = {STATE_C4: 2 * CSA, STATE_C128: HCA}  # rows per window: each state space's window and ring
+WINDOWS = {SWA: W, **RINGS}
 
 
 @pytest.fixture(autouse=True)
@@ -81,9 +83,8 @@ class _Step:
             for space, r in SPACES.items():
                 n = -(-(end // r) // (P // r))
                 table = [pools[space].pop() for _ in range(n)]
-                if space in (SWA, STATE):  # pages wholly before the window are released
-                    window = W if space == SWA else 2 * CSA if HCA < 2 * CSA else HCA
-                    for i in range(max(0, start - window + 1) // P):
+                if space in WINDOWS:  # pages wholly before the window are released
+                    for i in range(max(0, start - WINDOWS[space] + 1) // P):
                         table[i] = NULL_PAGE
                 self.tables[space].append(table)
         self.seqs = StepSequences.from_page_lists([q for _, q in spans], [s + q for s, q in spans], self.tables)
@@ -158,28 +159,48 @@ def test_backend_matches_dense_reference_over_random_pages(kind, indexer, attent
 
 
 def test_compression_plan_reads_the_right_state_rows_and_writes_the_right_entries():
-    step = _Step([(36, 1), (7, 1), (20, 15), (0, 12), (3, 300)], seed=4)
+    """Every closing window pools its rows in window order: rows new this step from the step's
+    own rows, earlier rows from the state ring (a page keeps its last 2m / m rows at slot
+    t % ring), and each ring keeps exactly each sequence's last rows, in slots no read needs."""
+    step = _Step([(36, 1), (7, 1), (20, 15), (0, 12), (3, 300), (13, 1)], seed=4)
     meta = build_hybrid_metadata(step.seqs, HybridLayout(P, W, CSA, HCA))
-    state = torch.full((65 * P,), -1, dtype=torch.long)
-    for i, (start, n) in enumerate(step.spans):
-        for t in range(max(0, start - 2 * HCA), start + n):
-            page = step.tables[STATE][i][t // P]
-            if page != NULL_PAGE:
-                state[page * P + t % P] = t
-    # The step's state slot mapping covers exactly the new tokens, in order.
     new_positions = [t for s, n in step.spans for t in range(s, s + n)]
-    assert state[meta.state_slot_mapping].tolist() == new_positions
-    for kind, ratio, overlap, spaces in (("csa", CSA, True, (C4, INDEXER)), ("hca", HCA, False, (C128,))):
+    for kind, ratio, overlap, spaces, state_space in (("csa", CSA, True, (C4, INDEXER), STATE_C4),
+                                                      ("hca", HCA, False, (C128,), STATE_C128)):
+        ring = RINGS[state_space]
         plan = meta.plans[kind]
+        assert plan.state_space == state_space
+        # What the ring holds before the step: each held page's last `ring` earlier positions.
+        state = torch.full((65 * ring,), -1, dtype=torch.long)
+        for i, (start, n) in enumerate(step.spans):
+            for t in range(max(0, start - ring), start):
+                page = step.tables[state_space][i][t // P]
+                if page != NULL_PAGE:
+                    state[page * ring + t % P % ring] = t
+        # The ring keeps each sequence's and each page's last `ring` positions (of those new this
+        # step): a page end is where a prefix hit resumes.
+        kept = [t for s, n in step.spans for t in range(s, s + n) if t >= s + n - ring or t % P >= P - ring]
+        assert [new_positions[r] for r in plan.write_rows.tolist()] == kept
+        assert len(set(plan.write_slots.tolist())) == len(kept), "two kept rows share a ring slot"
+        # Every page's last `ring` positions are in its ring after the step.
+        after = state.clone()
+        after[plan.write_slots] = torch.tensor(new_positions)[plan.write_rows]
+        for i, (s, n) in enumerate(step.spans):
+            for t in range(s, s + n):
+                page = step.tables[state_space][i][t // P]
+                if t >= s + n - ring or t % P >= P - ring:
+                    assert after[page * ring + t % P % ring] == t, (kind, i, t)
         want_windows = [(i, w) for i, (s, n) in enumerate(step.spans) for w in range(s // ratio, (s + n) // ratio)]
         assert plan.num_entries == len(want_windows)
+        fresh = torch.tensor(new_positions)[:, None]
+        got_rows = plan.gather_rows(state[:, None], fresh)[..., 0]
         for e, (i, w) in enumerate(want_windows):
             assert plan.positions[e].item() == w * ratio
             first = w * ratio - (ratio if overlap else 0)
             rows = [first + j for j in range(plan.row_slots.shape[1])]
             assert plan.row_valid[e].tolist() == [r >= 0 for r in rows]
-            got = state[plan.row_slots[e]].tolist()
-            assert [x for x, r in zip(got, rows) if r >= 0] == [r for r in rows if r >= 0]
+            got = got_rows[e].tolist()
+            assert [x for x, r in zip(got, rows) if r >= 0] == [r for r in rows if r >= 0], (kind, i, w)
             for space in spaces:
                 assert plan.out_slots[space][e].item() == step.slot(i, space, w)
 

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from hybridkv.attention_backends.hybrid_metadata import (  # noqa: E402
-    C4, C128, INDEXER, STATE, SWA, HybridLayout, KeySet, build_hybrid_metadata,
+    C4, C128, INDEXER, STATE_C4, STATE_C128, SWA, HybridLayout, KeySet, build_hybrid_metadata,
 )
 from hybridkv.attention_backends.hybrid_v4 import (  # noqa: E402
     HybridV4Attention, IndexerQuery, indexer_scores, indexer_topk, joint_softmax_attention,
@@ -33,7 +33,7 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 P, W, CSA_R, HCA_R = 8, 5, 2, 4  # page size, sliding window, ratios (P is a multiple of both)
 H, D, NI, CI, TOPK = 3, 16, 4, 8, 3
-SPACES = {SWA: 1, STATE: 1, C4: CSA_R, INDEXER: CSA_R, C128: HCA_R}
+SPACES = {SWA: 1, STATE_C4: 1, STATE_C128: 1, C4: CSA_R, INDEXER: CSA_R, C128: HCA_R}
 
 
 @pytest.fixture(autouse=True)
@@ -147,7 +147,7 @@ def _step(spans: list[tuple[int, int]], seed: int):
     seqs = StepSequences.from_page_lists([q for _, q in spans], [s + q for s, q in spans], tables)
     meta = build_hybrid_metadata(seqs, HybridLayout(P, W, CSA_R, HCA_R))
     caches = {space: torch.randn(65 * P // r, CI if space == INDEXER else D, generator=g)
-              for space, r in SPACES.items() if space != STATE}
+              for space, r in SPACES.items() if space not in (STATE_C4, STATE_C128)}
     for cache in caches.values():
         cache[: cache.shape[0] // 65] = 0  # the null page
     return meta, caches

@@ -118,10 +118,11 @@ def test_preemption_equals_hisparse_off(v4_path):
     prompts = _prompts([300, 280, 260, 240], seed=4)
     kw = dict(KW, max_model_len=384, max_num_batched_tokens=64)
     want = _generate(LLM(path, **kw), prompts, 40)
-    # Windowed spaces: 14 pages (4 x 3 + one 64-token chunk); whole-history: ~24 pages with
-    # HiSparse (about two sequences of 340 tokens), 12 without.
-    llm = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 10}, kv_cache_memory_bytes=1_073_152,
+    # Windowed spaces: 14 pages (4 x 3 + one 64-token chunk) of swa + state_c4 + state_c128
+    # (32,768 B); whole-history: 24 pages with HiSparse (about two sequences of 340 tokens).
+    llm = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 10}, kv_cache_memory_bytes=500_160,
               **kw)
+    assert llm.engine.kv.spaces["indexer"].num_pages == 24
     got = _generate(llm, prompts, 40)
     assert llm.engine.scheduler.num_preemptions > 0, "the budget forced no preemption"
     _same(got, want)

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's five block spaces: what the model declares, how the engine sizes and picks
+"""DeepSeek-V4's block spaces: what the model declares, how the engine sizes and picks
 pages, how much each space holds for a long sequence, and the user-facing entry points."""
 from __future__ import annotations
 
@@ -25,20 +25,24 @@ def ckpt(tmp_path_factory):
     return build_v4_checkpoint(str(tmp_path_factory.mktemp("v4_spaces")), max_position_embeddings=8192)
 
 
-def test_model_declares_five_spaces_and_engine_picks_page_128(ckpt):
+def test_model_declares_its_spaces_and_engine_picks_page_128(ckpt):
     llm = LLM(ckpt, dtype="float32", max_model_len=512, max_num_seqs=2)
     kv = llm.engine.kv
     assert kv.page_size == 128  # the default 16 is not a page for V4
     specs = kv.specs
-    assert list(specs) == ["swa", "c4", "c128", "indexer", "state"]
+    assert list(specs) == ["swa", "c4", "c128", "indexer", "state_c4", "state_c128"]
     D, cI, f32 = 32, 16, 4  # head_dim, index_head_dim of the tiny config; float32
     assert (specs["swa"].tokens_per_slot, specs["swa"].window, specs["swa"].bytes_per_slot) == (1, 16, 4 * D * f32)
     assert (specs["c4"].tokens_per_slot, specs["c4"].window, specs["c4"].bytes_per_slot) == (4, None, 2 * D * f32)
     assert (specs["c128"].tokens_per_slot, specs["c128"].bytes_per_slot) == (16, 1 * D * f32)
     assert (specs["indexer"].tokens_per_slot, specs["indexer"].bytes_per_slot) == (4, 2 * cI * f32)
-    # state: raw (C, Z) rows, float32: CSA 2x2D (+ indexer 2x2cI) per layer, HCA 2D; window 2x4 vs 16.
-    assert specs["state"].window == 16
-    assert specs["state"].bytes_per_slot == f32 * (2 * (4 * D + 4 * cI) + 2 * D)
+    # compressor state: raw (C, Z) rows, float32, a ring of one window's rows per page (not 128):
+    # CSA 2x2D (+ indexer 2x2cI) per layer over 2x4 rows, HCA 2D over 16 rows.
+    assert (specs["state_c4"].window, specs["state_c4"].ring) == (8, 8)
+    assert specs["state_c4"].bytes_per_slot == f32 * 2 * (4 * D + 4 * cI)
+    assert specs["state_c4"].bytes_per_page(128) == 8 * specs["state_c4"].bytes_per_slot
+    assert (specs["state_c128"].window, specs["state_c128"].ring) == (16, 16)
+    assert specs["state_c128"].bytes_per_slot == f32 * 2 * D
 
 
 def test_page_size_must_be_a_multiple_of_every_ratio(ckpt):
@@ -79,7 +83,7 @@ def test_memory_is_split_by_bytes_per_token_of_context(ckpt):
     # Whole-history spaces hold the same number of pages (each page = P tokens of history) ...
     assert pages["c4"] == pages["c128"] == pages["indexer"] > 100
     # ... windowed ones only each sequence's window (+2 pages) plus one step of new tokens.
-    for name in ("swa", "state"):
+    for name in ("swa", "state_c4", "state_c128"):
         window = kv.specs[name].window
         assert pages[name] == 4 * (math.ceil((window - 1) / P) + 2) + math.ceil(256 / P)
     used = sum(s.num_pages * s.spec.bytes_per_page(P) for s in kv.spaces.values())
@@ -92,14 +96,14 @@ def test_capacity_error_names_the_space(ckpt):
     """Room for the windows but only 8 pages of history: the error names the history spaces."""
     kv = LLM(ckpt, dtype="float32", max_model_len=512, max_num_seqs=1).engine.kv
     bpp = {n: s.bytes_per_page(128) for n, s in kv.specs.items()}
-    budget = 4 * (bpp["swa"] + bpp["state"]) + 8 * (bpp["c4"] + bpp["c128"] + bpp["indexer"])
+    budget = 4 * (bpp["swa"] + bpp["state_c4"] + bpp["state_c128"]) + 8 * (bpp["c4"] + bpp["c128"] + bpp["indexer"])
     with pytest.raises(ValueError) as err:
         LLM(ckpt, dtype="float32", max_model_len=2048, max_num_seqs=1, max_num_batched_tokens=128,
             kv_cache_memory_bytes=budget)
     msg = str(err.value)
     for name in ("c4", "c128", "indexer"):
         assert f"{name} (needs 16 pages, has 8)" in msg
-    assert "swa (" not in msg and "state (" not in msg
+    assert "swa (" not in msg and "state_c4 (" not in msg and "state_c128 (" not in msg
 
 
 @pytest.mark.slow

@@ -202,7 +202,7 @@ def test_v4_allocate_kv_cache_returns_every_tensor_of_each_space(v4_model):
     caches = v4_model.allocate_kv_cache(kv, None, torch.float32, torch.device("cpu"))
     cfg = v4_model.cfg
     n_csa, n_hca = cfg.num_csa_layers, cfg.num_hca_layers
-    counts = {"swa": 1, "c4": n_csa, "c128": n_hca, "indexer": n_csa, "state": 4 * n_csa + 2 * n_hca}
+    counts = {"swa": 1, "c4": n_csa, "c128": n_hca, "indexer": n_csa, "state_c4": 4 * n_csa, "state_c128": 2 * n_hca}
     assert {n: len(ts) for n, ts in caches.items()} == counts
     for name, ts in caches.items():
         space = kv.spaces[name]

@@ -1,5 +1,5 @@
 """Prefix caching on models with windowed block spaces (shadow prefix index, issue 4):
-DeepSeek-V4 tiny configs (swa + state windowed, c4/c128/indexer whole-history), Mistral
+DeepSeek-V4 tiny configs (swa + state_c4/state_c128 windowed rings, c4/c128/indexer whole-history), Mistral
 (all-SWA) and Gemma-3 (full + SWA). A hit at every page boundary, with every windowed page
 outside the kept tails tombstoned, gives the no-cache run's greedy tokens and logprobs."""
 from __future__ import annotations
@@ -43,8 +43,9 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
+@pytest.mark.parametrize("seed_tail", [0, 40])  # 40: the seed runs on past the page end in the same chunk
 @pytest.mark.parametrize("name", list(V4_CONFIGS))
-def test_v4_hit_at_every_page_boundary_equals_no_cache(v4_path, name):
+def test_v4_hit_at_every_page_boundary_equals_no_cache(v4_path, name, seed_tail):
     _, P, n = V4_CONFIGS[name]
     path = v4_path(name)
     ref = LLM(path, dtype="float32", block_size=P, max_model_len=256, max_num_seqs=2, enable_prefix_caching=False)
@@ -52,8 +53,8 @@ def test_v4_hit_at_every_page_boundary_equals_no_cache(v4_path, name):
     want = run_one(ref, prompt, 24)  # decodes past the window and across compression boundaries
     cached = LLM(path, dtype="float32", block_size=P, max_model_len=256, max_num_seqs=2)
     assert cached.engine.kv.page_size == P
-    assert cached.engine.kv.enable_prefix_caching and set(cached.engine.kv.index.windows) == {"swa", "state"}
-    hit = assert_hit_at_every_boundary(cached, want, prompt, 24)
+    assert cached.engine.kv.enable_prefix_caching and set(cached.engine.kv.index.windows) == {"swa", "state_c4", "state_c128"}
+    hit = assert_hit_at_every_boundary(cached, want, prompt, 24, seed_tail)
     assert hit == list(range(P, n, P))
 
 

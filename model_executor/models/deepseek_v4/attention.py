@@ -28,7 +28,7 @@ from hybridkv.model_executor.quantization import QuantizedLinear
 
 @dataclass
 class CompressorCache:
-    """Paged tensors of one compressor: raw rows in the state space, entries in their space."""
+    """Paged tensors of one compressor: raw rows in its state ring, entries in their space."""
 
     state_kv: torch.Tensor  # [state slots, κD] float32
     state_gate: torch.Tensor  # [state slots, κD] float32
@@ -98,17 +98,19 @@ class V4Attention(nn.Module):
 
     def _compress(self, comp: Compressor, cache: CompressorCache, x: torch.Tensor, meta: HybridAttentionMetadata,
                   out_space: str) -> None:
-        """Write the new tokens' raw rows, then pool every window that closed this step."""
+        """Pool every window that closed this step (from this step's raw rows and the ring's
+        earlier ones), then keep the rows a later window may read in the ring."""
         kv, gate = comp.project(x)
-        self.backend.write(cache.state_kv, meta.state_slot_mapping, kv)
-        self.backend.write(cache.state_gate, meta.state_slot_mapping, gate)
         plan = meta.plans[self.plan_kind]
         if plan.num_entries:
             entries = comp.pool(
-                cache.state_kv[plan.row_slots], cache.state_gate[plan.row_slots], plan.row_valid, plan.positions,
-                cache.entries.dtype,
+                plan.gather_rows(cache.state_kv, kv), plan.gather_rows(cache.state_gate, gate), plan.row_valid,
+                plan.positions, cache.entries.dtype,
             )
             self.backend.write(cache.entries, plan.out_slots[out_space], entries)
+        # After the pooling: a ring slot written now may still hold a row the pooling read.
+        self.backend.write(cache.state_kv, plan.write_slots, kv[plan.write_rows])
+        self.backend.write(cache.state_gate, plan.write_slots, gate[plan.write_rows])
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: HybridAttentionMetadata) -> torch.Tensor:
         T, H, D = x.shape[0], self.num_heads, self.head_dim

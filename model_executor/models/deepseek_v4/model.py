@@ -1,4 +1,4 @@
-"""DeepseekV4ForCausalLM over five paged block spaces (swa, c4, c128, indexer, state).
+"""DeepseekV4ForCausalLM over six paged block spaces (swa, c4, c128, indexer, state_c4, state_c128).
 
 Per token the model keeps: its SWA key in every layer (windowed), the compressor raw rows
 of CSA/HCA layers (windowed `state`: only the rows an unfinished window still needs), and
@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from hybridkv.attention_backends.hybrid_metadata import (
-    C4, C128, INDEXER, STATE, SWA, HybridAttentionMetadata, HybridLayout, build_hybrid_metadata,
+    C4, C128, INDEXER, STATE_C4, STATE_C128, SWA, HybridAttentionMetadata, HybridLayout, build_hybrid_metadata,
+    compressor_kinds,
 )
 from hybridkv.attention_backends.hisparse_reads import build_hisparse_step
 from hybridkv.attention_backends.metadata import StepSequences
@@ -88,12 +89,14 @@ class DeepseekV4ForCausalLM(CausalLM):
             specs.append(SpaceSpec(C128, cfg.hca_ratio, n_hca * D * elt))
         if n_csa:
             specs.append(SpaceSpec(INDEXER, cfg.csa_ratio, n_csa * cI * elt))
-        if n_csa or n_hca:
-            # (C, Z) rows per token: CSA 2·2D (+ indexer 2·2cI), HCA 2·D. A closing window reads
-            # back 2m tokens (CSA, overlapping) or m (HCA): that is the state window.
-            row_bytes = f32 * (n_csa * (4 * D + 4 * cI) + n_hca * 2 * D)
-            window = max(2 * cfg.csa_ratio if n_csa else 0, cfg.hca_ratio if n_hca else 0)
-            specs.append(SpaceSpec(STATE, 1, row_bytes, window=window))
+        # Raw compressor rows (C, Z) per token: CSA 2·2D (+ indexer 2·2cI), HCA 2·D. A closing
+        # window reads back 2m rows (CSA, overlapping) or m (HCA): that is each state space's
+        # window, and its ring, so a page holds 8 (CSA) or 128 (HCA) rows, not P.
+        row_bytes = {STATE_C4: f32 * n_csa * (4 * D + 4 * cI), STATE_C128: f32 * n_hca * 2 * D}
+        for ratio, overlap, space in compressor_kinds(cfg.csa_ratio if n_csa else None,
+                                                      cfg.hca_ratio if n_hca else None).values():
+            rows = (2 if overlap else 1) * ratio
+            specs.append(SpaceSpec(space, 1, row_bytes[space], window=rows, ring=rows))
         return specs
 
     def step_cost(self) -> StepCost:
@@ -133,7 +136,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         hybrid backend (HybridV4Attention, or its Triton kernels when `backend` is the Triton
         one: hybrid_backend), not `backend` itself (None is fine). Uninitialised except the
         null page: every masked or padded read of the hybrid metadata points at its slot 0.
-        Returns every tensor of each space (swa; c4/c128 and indexer per layer; state x2 per
+        Returns every tensor of each space (swa; c4/c128 and indexer per layer; state_c4 / state_c128 x2 per
         compressor), slots on dim -2: a page copy to the host tier must cover all of them."""
         P = kv.page_size
         slots = {name: s.num_physical_pages * s.spec.slots_per_page(P) for name, s in kv.spaces.items()}
@@ -161,16 +164,17 @@ class DeepseekV4ForCausalLM(CausalLM):
             if attn.compressor is not None:
                 width = attn.compressor.row_width
                 space = C4 if attn.layer_type == CSA else C128
+                state = STATE_C4 if attn.layer_type == CSA else STATE_C128
                 cache.compressor = CompressorCache(
-                    pool(STATE, slots[STATE], width, dtype=STATE_DTYPE),
-                    pool(STATE, slots[STATE], width, dtype=STATE_DTYPE),
+                    pool(state, slots[state], width, dtype=STATE_DTYPE),
+                    pool(state, slots[state], width, dtype=STATE_DTYPE),
                     pool(space, slots[space], D, dtype=dtype),
                 )
             if attn.indexer is not None:
                 width = attn.indexer.compressor.row_width
                 cache.indexer = CompressorCache(
-                    pool(STATE, slots[STATE], width, dtype=STATE_DTYPE),
-                    pool(STATE, slots[STATE], width, dtype=STATE_DTYPE),
+                    pool(STATE_C4, slots[STATE_C4], width, dtype=STATE_DTYPE),
+                    pool(STATE_C4, slots[STATE_C4], width, dtype=STATE_DTYPE),
                     pool(INDEXER, slots[INDEXER], cI, dtype=dtype),
                 )
             attn.cache = cache
