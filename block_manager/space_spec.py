@@ -29,7 +29,7 @@ class SpaceSpec:
     bytes_per_slot  bytes of one slot summed over every layer that uses this space
     window          None = the whole history is read again; N = only the last N tokens are
     ring            None = a page has a slot per tokens_per_slot of its P tokens; N = a page is
-                    a ring of N slots: token t writes slot t % N of its page, so the page keeps
+                    a ring of N slots: token t writes slot (t % P) % N of its page, so the page keeps
                     only the last N tokens it saw. For a windowed space whose reads go at most
                     N tokens back (a compressor's pending rows: 8 for C4, 128 for C128), this
                     keeps the page at N slots instead of P -- the page still stands for the same
@@ -67,10 +67,6 @@ class SpaceSpec:
         """Physical slots of one page (what pools, page copies and bytes are sized by)."""
         entries = self.entries_per_page(page_size)
         return entries if self.ring is None else min(self.ring, entries)
-
-    def slot_in_page(self, pos, page_size: int):
-        """Slot within its page of the raw token at position pos (ints or integer tensors)."""
-        return pos % page_size % self.slots_per_page(page_size)  # a ring: the page's last N tokens are distinct
 
     def pages_for(self, num_tokens: int, page_size: int) -> int:
         """Pages holding the slots of the first num_tokens tokens. A slot exists once all its
