@@ -71,11 +71,11 @@ def engine_kw(max_model_len: int, max_num_seqs: int, budget: int | None, hot: in
 def capacity(llm: LLM, tokens: int, pages: dict[str, int] | None = None, max_num_seqs: int | None = None) -> int:
     """Sequences of `tokens` tokens the engine can hold decoding at once (its own page
     arithmetic): every whole-history space holds all their pages; a windowed space holds each
-    one's window, plus one prefill chunk's worth for the sequence being prefilled. pages:
+    one's decode window, plus one prefill chunk's worth for the sequence being prefilled. pages:
     pages per space (default: the engine's)."""
     kv = llm.engine.kv
     chunk = kv.pages_needed(tokens, llm.engine.config.max_num_batched_tokens)
-    decode = kv.pages_needed(tokens)
+    decode = kv.pages_needed(tokens, 1)  # a decoding sequence computes one token a step
     fits = []
     for s, need in decode.items():
         n = kv.spaces[s].num_pages if pages is None else pages[s]

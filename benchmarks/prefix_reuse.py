@@ -88,8 +88,8 @@ def index_overhead(total_tokens: int = 100_000, page: int = 128, prompt: int = 2
     """match + insert of a 2k-token request (sharing a random prefix of a cached sequence) on a
     V4-like six-space index that already holds total_tokens tokens."""
     specs = [SpaceSpec("swa", 1, 1, window=128), SpaceSpec("c4", 4, 1), SpaceSpec("c128", 128, 1),
-             SpaceSpec("indexer", 4, 1), SpaceSpec("state_c4", 1, 1, window=8, ring=8),
-             SpaceSpec("state_c128", 1, 1, window=128, ring=128)]
+             SpaceSpec("indexer", 4, 1), SpaceSpec("state_c4", 1, 1, window=8, ring=8, align=4),
+             SpaceSpec("state_c128", 1, 1, window=128, ring=128, align=128)]
     n_pages = total_tokens // page + 4 * (prompt // page) + 8
     spaces = {s.name: BlockSpace(s, n_pages, page) for s in specs}
     index = ShadowIndex(spaces, page)

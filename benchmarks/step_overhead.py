@@ -62,8 +62,8 @@ def v4_layout():
         SpaceSpec("c4", 4, 64),
         SpaceSpec("c128", 128, 64),
         SpaceSpec("indexer", 4, 32),
-        SpaceSpec("state_c4", 1, 192, window=8, ring=8),
-        SpaceSpec("state_c128", 1, 64, window=128, ring=128),
+        SpaceSpec("state_c4", 1, 192, window=8, ring=8, align=4),
+        SpaceSpec("state_c128", 1, 64, window=128, ring=128, align=128),
     ]
     return specs, 128, HybridLayout(128, 128, 4, 128)
 

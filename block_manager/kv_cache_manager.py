@@ -41,6 +41,22 @@ logger = logging.getLogger(__name__)
 __all__ = ["NULL_PAGE", "KVCacheManager", "PrefixHit"]
 
 
+
+def windowed_live_pages(specs: Sequence[SpaceSpec], chunk_tokens: int, page_size: int,
+                        prefix_caching: bool) -> dict[str, int]:
+    """Most pages one request holds at once in each windowed space while it computes chunks of
+    chunk_tokens (1: decoding). Without prefix caching that is each space's own window
+    (SpaceSpec.max_live_pages). With it, the request's lock pins the index's copies of its
+    recent pages back to where its widest window starts, in every windowed space the index
+    records at once (one SWA lock per node, shadow_index.py): each of those then holds as many
+    pages as the widest. A space no hit reads is not recorded (ShadowIndex.unread): its own."""
+    live = {s.name: s.max_live_pages(chunk_tokens, page_size) for s in specs if s.windowed}
+    if not prefix_caching:
+        return live
+    recorded = [s.name for s in specs if s.windowed and s.pages_read_at_page_end(page_size) > 0]
+    widest = max((live[n] for n in recorded), default=0)
+    return {n: max(k, widest) if n in recorded else k for n, k in live.items()}
+
 @dataclass
 class PrefixHit:
     """A prefix hit: nodes of the shadow index, tokens they cover, and per space how many of
@@ -385,12 +401,11 @@ class KVCacheManager:
         """Most pages one request of num_tokens holds at once in each space, when it is
         computed in chunks of at most max_chunk_tokens (default: one page)."""
         P = self.page_size
-        chunk = max_chunk_tokens or P
+        live = windowed_live_pages(list(self.specs.values()), max_chunk_tokens or P, P, self.index is not None)
         out = {}
         for name, spec in self.specs.items():
             need = spec.pages_for(num_tokens, P)
-            bound = spec.max_live_pages(chunk, P)
-            out[name] = need if bound is None else min(need, bound)
+            out[name] = min(need, live[name]) if name in live else need
         return out
 
     def spaces_short_for(self, num_tokens: int, max_chunk_tokens: int | None = None) -> list[str]:
@@ -421,7 +436,7 @@ class KVCacheManager:
         nxt = (req.num_inserted_pages + batch) * P if self.index is not None else 1 << 62
         for name, spec in self.specs.items():
             if spec.windowed:  # first_kept_page grows past the released pages at this count
-                nxt = min(nxt, (req.num_released_pages.get(name, 0) + 1) * P + spec.window - 1)
+                nxt = min(nxt, spec.release_at(req.num_released_pages.get(name, 0), P))
         req.commit_at = nxt
 
     def retire(
@@ -534,7 +549,8 @@ class KVCacheManager:
         if self.index is None or req.anchor is None:
             return
         end = req.anchor.depth
-        held_from = min((req.num_released_pages.get(n, 0) for n in self.index.windows), default=end)
+        held_from = min((req.num_released_pages.get(n, 0) for n in self.index.windows if n not in self.index.unread),
+                        default=end)
         swa_tokens = max(0, end - held_from) * self.page_size
         if req.receipt is None:
             req.receipt = self.index.lock(req.anchor, swa_tokens)

@@ -155,6 +155,9 @@ class ShadowIndex:
         self.windows: dict[str, int] = {n: s.spec.window for n, s in spaces.items() if s.spec.windowed}
         self.whole = [n for n, s in spaces.items() if not s.spec.windowed]
         self._specs = {n: s.spec for n, s in spaces.items()}
+        # Windowed spaces no hit reads (every page end closes their window, like HCA's state):
+        # their pages go in as tombstones, so the index never holds, pins or offloads them.
+        self.unread = {n for n, s in spaces.items() if s.spec.windowed and s.spec.pages_read_at_page_end(page_size) == 0}
         self._roots: dict[Hashable, ShadowNode] = {}
         self.num_host_pins = 0  # pin_host calls not yet unpinned (0 when idle)
         self._nodes: set[ShadowNode] = set()
@@ -227,11 +230,14 @@ class ShadowIndex:
 
     def _is_dead_leaf(self, node: ShadowNode) -> bool:
         """An unlocked leaf that can serve no hit: no data, or a windowed shadow tombstoned on
-        every tier (a match ending at a node needs that node's own windowed pages). The index
-        drops these at once, so eviction never has to skip them."""
+        every tier where a match ending at the node needs it (its own page is in the window at
+        its end -- not so for a block-aligned window that closes there, like HCA's state at a
+        page boundary). The index drops these at once, so eviction never has to skip them."""
         if node.children or node.full_lock_ref or node.is_root:
             return False
-        return not self._has_data(node) or any(not self._present(node, s) for s in self.windows)
+        d = node.depth
+        return not self._has_data(node) or any(
+            not self._present(node, s) and self.first_window_page(s, d) < d for s in self.windows)
 
     # -- eviction queues: membership follows the node's state -----------------------------------
     def _window_queue(self, node: ShadowNode, space: str) -> EvictionQueue | None:
@@ -406,7 +412,7 @@ class ShadowIndex:
         live is healed by adopting the request's page (the page joins the index; the request
         keeps its reference, so nothing is freed twice); new nodes take the request's pages,
         with a tombstone wherever the request already released the windowed page (never a live
-        shadow for a page the request no longer owns).
+        shadow for a page the request no longer owns) and in the spaces no hit reads (`unread`).
 
         lock_follows: the caller moves its lock down to the new last node right after (the KV
         manager does, every time): new nodes then skip their eviction-queue placement here,
@@ -433,7 +439,7 @@ class ShadowIndex:
                     child.host = dict.fromkeys(self.spaces)
                 for s, table in pages.items():
                     page = table[i]
-                    if page == NULL_PAGE:
+                    if page == NULL_PAGE or s in self.unread:
                         if s not in self.windows:
                             raise AssertionError(f"whole-history space {s!r} has no page {i} to insert")
                         child.shadows[s] = TOMBSTONE
@@ -458,7 +464,7 @@ class ShadowIndex:
                 child.priority = max(child.priority, priority)
                 for s, table in pages.items():
                     page, mine = child.shadows[s], table[i]
-                    if mine == NULL_PAGE or mine == page:
+                    if mine == NULL_PAGE or mine == page or s in self.unread:
                         continue
                     if page is None:  # heal: adopt the request's live page (its device copy was gone)
                         self.spaces[s].add_to_index(mine)

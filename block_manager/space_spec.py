@@ -10,13 +10,16 @@ from dataclasses import dataclass
 NULL_PAGE = 0
 
 
-def window_start(pos, window: int | None):
+def window_start(pos, window: int | None, align: int = 1):
     """The window rule, in one place: the query at position `pos` reads keys [window_start, pos].
 
+    align = 1: the last `window` positions. align = a > 1 (a compressor closing a window every a
+    tokens): the current a-token block and the window - a positions before it, so the start
+    moves a tokens at a time and sits up to a - 1 positions later than align 1's.
     Works on ints, integer tensors and numpy arrays. window None = the whole history is read."""
     if window is None:
         return pos * 0 if not isinstance(pos, int) else 0
-    start = pos - window + 1
+    start = pos - window + 1 if align == 1 else (pos // align) * align - (window - align)
     return max(0, start) if isinstance(start, int) else start.clip(min=0)
 
 
@@ -34,6 +37,10 @@ class SpaceSpec:
                     N tokens back (a compressor's pending rows: 8 for C4, 128 for C128), this
                     keeps the page at N slots instead of P -- the page still stands for the same
                     P tokens, so block tables, window release and the shadow index are unchanged.
+    align           1 = the window slides a token at a time; a = it moves in whole a-token blocks
+                    (window_start): a compressor pooling every a tokens reads only back to the
+                    start of the open block (minus its overlap), so it releases pages sooner and
+                    a block-aligned window needs no straddle page (C128 at P=128: 1 page, not 3).
     """
 
     name: str
@@ -41,6 +48,7 @@ class SpaceSpec:
     bytes_per_slot: int = 0
     window: int | None = None
     ring: int | None = None
+    align: int = 1
 
     def __post_init__(self) -> None:
         if self.tokens_per_slot < 1:
@@ -53,6 +61,9 @@ class SpaceSpec:
             if self.window is None or self.tokens_per_slot != 1 or not 1 <= self.window <= self.ring:
                 raise ValueError(f"space {self.name!r}: a ring of {self.ring} slots needs a raw windowed space "
                                  f"with window <= ring (tokens_per_slot {self.tokens_per_slot}, window {self.window})")
+        if self.align != 1 and (self.window is None or not 1 <= self.align <= self.window):
+            raise ValueError(f"space {self.name!r}: align {self.align} needs a windowed space with 1 <= align <= "
+                             f"window (window {self.window})")
 
     def entries_per_page(self, page_size: int) -> int:
         """Logical entries (tokens_per_slot tokens each) one page stands for."""
@@ -80,15 +91,35 @@ class SpaceSpec:
     def first_kept_page(self, num_computed: int, page_size: int) -> int:
         """First page a request that computed num_computed tokens still reads in this space (the
         next query sits at position num_computed). 0 for whole-history spaces."""
-        return window_start(num_computed, self.window) // page_size
+        return window_start(num_computed, self.window, self.align) // page_size
+
+    def release_at(self, num_released: int, page_size: int) -> int:
+        """The smallest num_computed at which first_kept_page passes page num_released (the
+        request's next windowed page to release). Whole-history spaces: never (a huge count)."""
+        if self.window is None:
+            return 1 << 62
+        a, first = self.align, (num_released + 1) * page_size  # the window must start at or after `first`
+        return -(-(first + self.window - a) // a) * a
+
+    def pages_read_at_page_end(self, page_size: int) -> int:
+        """Most pages of this space a request resuming at a page boundary reads (what a prefix hit
+        needs of it). 0 for a block-aligned window that every page end closes (HCA's state at a
+        page size that is a multiple of its ratio): no hit ever reads such a page."""
+        if self.window is None:
+            return 1 << 62
+        d0 = self.window // page_size + 2  # past the start, where the count is periodic
+        return max(d - self.first_kept_page(d * page_size, page_size) for d in range(d0, d0 + self.align))
 
     def max_live_pages(self, chunk_tokens: int, page_size: int) -> int | None:
         """Most pages of this windowed space one request holds at once while it computes chunks of
-        chunk_tokens: the window before the chunk (window - 1 tokens, which can straddle one
-        extra page boundary) plus the chunk. None for whole-history spaces (no bound)."""
+        chunk_tokens: the window before the chunk (at most window - 1 tokens) plus the chunk, and
+        one more page where the window's start can fall inside a page. chunk_tokens=1 is a
+        decoding request. None for whole-history spaces (no bound)."""
         if self.window is None:
             return None
-        return -(-(self.window - 1 + chunk_tokens) // page_size) + 1
+        a = self.align
+        page_aligned = a > 1 and a % page_size == 0 and (self.window - a) % page_size == 0
+        return -(-(self.window - 1 + chunk_tokens) // page_size) + (0 if page_aligned else 1)
 
     @property
     def windowed(self) -> bool:

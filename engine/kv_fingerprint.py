@@ -44,7 +44,7 @@ def kv_fingerprint(
     """page_layout: space -> [(dtype, page slice shape)] of its tensors (HostKVCache.page_layout)."""
     base = {
         "model": model_digest(model_dir).hex(), "dtype": dtype, "page_size": page_size, "tp": [tp_rank, tp_size],
-        "spaces": [[s.name, s.tokens_per_slot, s.bytes_per_slot, s.window, s.ring, page_layout[s.name]] for s in specs],
+        "spaces": [[s.name, s.tokens_per_slot, s.bytes_per_slot, s.window, s.ring, s.align, page_layout[s.name]] for s in specs],
     }
     seed = hashlib.sha256(json.dumps(base, sort_keys=True).encode()).digest()
     spaces = {s.name: hashlib.sha256(seed + s.name.encode()).hexdigest() for s in specs}

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from hybridkv.block_manager.kv_cache_manager import KVCacheManager
+from hybridkv.block_manager.kv_cache_manager import KVCacheManager, windowed_live_pages
+from hybridkv.block_manager.space_spec import SpaceSpec
 from hybridkv.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_CAP_BYTES, EngineConfig, resolve_device
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
 from hybridkv.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
@@ -98,6 +99,15 @@ def _is_bool_scalar(value: Any) -> bool:
     np = sys.modules.get("numpy")
     return np is not None and isinstance(value, np.bool_)
 
+
+
+def windowed_space_caps(specs: list[SpaceSpec], page_size: int, max_num_seqs: int, max_chunk_tokens: int,
+                        prefix_caching: bool) -> dict[str, int]:
+    """Most pages each windowed space needs (LLMEngine._pages_per_space): one sequence computing
+    a prefill chunk of max_chunk_tokens with its window, every other one its decode window."""
+    decode = windowed_live_pages(specs, 1, page_size, prefix_caching)
+    chunk = windowed_live_pages(specs, max_chunk_tokens, page_size, prefix_caching)
+    return {name: (max_num_seqs - 1) * decode[name] + chunk[name] for name in decode}
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -278,10 +288,15 @@ class LLMEngine:
         """Split the KV memory between spaces by bytes per token of context.
 
         Whole-history spaces (full, c4, c128, indexer) all get n pages (n pages cover n*P
-        tokens of history in each). A windowed space (swa, state) never needs more than every
-        running sequence's window (+2 pages: one straddling the window start, one partial)
-        plus one step's worth of new tokens, and never more than n + max_num_seqs pages;
-        n is the largest count for which everything fits in the budget.
+        tokens of history in each). A windowed space (swa, state_*) gets room for one sequence
+        computing a prefill chunk of max_chunk_tokens (with its window) while every other one
+        decodes (kv_cache_manager.windowed_live_pages: the window, plus a page where its start
+        can fall inside one; with prefix caching, the widest window's), and never more than
+        n + max_num_seqs pages; n is the largest count for
+        which everything fits in the budget. Sized for decode, not for every sequence
+        prefilling at once: a step whose several prefill chunks need more takes the
+        scheduler's usual shortage path (preempt the newest); short prompts fit in their
+        decode window, so only several long chunks in one step can get there.
 
         HiSparse (engine/hisparse_plan.py): the c4 space is the host mirror, outside the device
         budget, which pays the hot buffers instead.
@@ -292,8 +307,7 @@ class LLMEngine:
         specs = [s for s in specs if s not in mirror]
         whole = [s for s in specs if not s.windowed]
         windowed = [s for s in specs if s.windowed]
-        # Each running sequence holds its window plus the page it is computing; one step's chunk more.
-        cap = {s.name: seqs * s.max_live_pages(P, P) + -(-max_chunk_tokens // P) for s in windowed}
+        cap = windowed_space_caps(windowed, P, seqs, max_chunk_tokens, self.config.enable_prefix_caching)
         whole_bpp = sum(s.bytes_per_page(P) for s in whole)
 
         def cost(n: int) -> int:

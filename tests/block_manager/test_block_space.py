@@ -4,7 +4,7 @@ import random
 import pytest
 
 from hybridkv.block_manager.block_space import BlockSpace, OutOfPagesError
-from hybridkv.block_manager.space_spec import SpaceSpec
+from hybridkv.block_manager.space_spec import SpaceSpec, window_start
 
 
 def test_allocate_decref_returns_pages_to_free():
@@ -126,3 +126,33 @@ def test_a_ring_needs_a_raw_windowed_space_no_wider_than_it(kw):
     most N may be one."""
     with pytest.raises(ValueError, match="ring"):
         SpaceSpec("state", bytes_per_slot=1, **kw)
+
+
+@pytest.mark.parametrize("window,align", [(128, 1), (100, 1), (8, 4), (16, 16), (128, 128), (256, 128)])
+@pytest.mark.parametrize("P", [64, 128, 256])
+def test_window_release_and_live_page_bounds_agree_with_the_window_rule(window, align, P):
+    """Walking every position: release_at(r) is the first count whose window starts past page r,
+    and no chunk (a decode's 1 token, a prefill's many) ever needs more pages than
+    max_live_pages says -- the bound the engine sizes windowed spaces by."""
+    spec = SpaceSpec("s", 1, 1, window=window, align=align)
+    for r in range(6):
+        n = spec.release_at(r, P)
+        assert spec.first_kept_page(n, P) > r >= spec.first_kept_page(n - 1, P), (r, n)
+    for chunk in (1, 2, P - 1, P, 2 * P + 3, 1000):
+        worst = max((n + chunk - 1) // P - spec.first_kept_page(n, P) + 1 for n in range(4 * window + 4 * P))
+        assert worst <= spec.max_live_pages(chunk, P), (chunk, worst)
+
+
+def test_an_aligned_window_reads_back_only_to_its_open_block():
+    """align=a (a compressor pooling every a tokens): position n reads from the start of its
+    a-token block minus the overlap (window - a), never the last `window` positions. So HCA's
+    state (window = align = 128) at P=128 holds 1 page while decoding, not 2 (+1 straddle)."""
+    hca = SpaceSpec("state_c128", 1, 1, window=128, ring=128, align=128)
+    assert [window_start(n, 128, 128) for n in (0, 127, 128, 300)] == [0, 0, 128, 256]
+    assert [window_start(n, 8, 4) for n in (3, 4, 7, 8, 13)] == [0, 0, 0, 4, 8]  # CSA: block + 4 overlap
+    assert hca.first_kept_page(128, 128) == 1  # a page boundary closes the block: nothing before it is read
+    assert hca.max_live_pages(1, 128) == 1 and SpaceSpec("swa", 1, 1, window=128).max_live_pages(1, 128) == 2
+    with pytest.raises(ValueError, match="align"):
+        SpaceSpec("s", 1, 1, window=8, align=16)
+    with pytest.raises(ValueError, match="align"):
+        SpaceSpec("s", 4, 1, align=4)

@@ -118,9 +118,10 @@ def test_preemption_equals_hisparse_off(v4_path):
     prompts = _prompts([300, 280, 260, 240], seed=4)
     kw = dict(KW, max_model_len=384, max_num_batched_tokens=64)
     want = _generate(LLM(path, **kw), prompts, 40)
-    # Windowed spaces: 14 pages (4 x 3 + one 64-token chunk) of swa + state_c4 + state_c128
-    # (32,768 B); whole-history: 24 pages with HiSparse (about two sequences of 340 tokens).
-    llm = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 10}, kv_cache_memory_bytes=500_160,
+    # Windowed spaces: 10 pages (3 decoding x 2 + one 64-token chunk with its window, 4) of swa +
+    # state_c4 + state_c128 (32,768 B); hot buffers 10,240 B; whole-history: 24 pages with
+    # HiSparse (about two sequences of 340 tokens).
+    llm = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 10}, kv_cache_memory_bytes=369_640,
               **kw)
     assert llm.engine.kv.spaces["indexer"].num_pages == 24
     got = _generate(llm, prompts, 40)

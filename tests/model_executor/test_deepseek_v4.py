@@ -15,6 +15,7 @@ import random
 import pytest
 import torch
 
+from hybridkv.engine.llm_engine import windowed_space_caps
 from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.entrypoints import LLM
 from tiny_deepseek_v4 import build_v4_checkpoint, hf_v4_model, single_thread
@@ -168,11 +169,16 @@ def test_preemption_under_a_tight_budget_keeps_outputs(v4_ckpt):
     vocab = roomy.engine.runner.config.vocab_size
     prompts = {"a": _prompt(300, vocab, seed=3), "b": _prompt(290, vocab, seed=4)}
     _, want = _run(roomy, prompts, max_tokens=20)
-    # Enough for one 320-token sequence in every space, not for two.
+    # Enough for one 320-token sequence in every whole-history space (3 pages of 128), not for
+    # two; the windowed spaces get what the engine sizes them to for 2 sequences.
     kv = roomy.engine.kv
-    tight = sum(s.spec.bytes_per_page(kv.page_size) * (4 if not s.spec.windowed else 6) for s in kv.spaces.values())
+    P = kv.page_size
+    caps = windowed_space_caps([s.spec for s in kv.spaces.values()], P, 2, 128, prefix_caching=True)
+    tight = sum(s.spec.bytes_per_page(P) * min(4 + 2, caps[n]) if s.spec.windowed else s.spec.bytes_per_page(P) * 4
+                for n, s in kv.spaces.items())
     llm = _llm(path, block_size, max_model_len=512, max_num_seqs=2, max_num_batched_tokens=128,
                kv_cache_memory_bytes=tight)
+    assert llm.engine.kv.spaces["c4"].num_pages == 4
     _, got = _run(llm, prompts, max_tokens=20)
     assert got == want
     assert llm.engine.scheduler.num_preemptions > 0

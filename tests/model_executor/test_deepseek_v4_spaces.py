@@ -82,10 +82,13 @@ def test_memory_is_split_by_bytes_per_token_of_context(ckpt):
     pages = {n: s.num_pages for n, s in kv.spaces.items()}
     # Whole-history spaces hold the same number of pages (each page = P tokens of history) ...
     assert pages["c4"] == pages["c128"] == pages["indexer"] > 100
-    # ... windowed ones only each sequence's window (+2 pages) plus one step of new tokens.
+    # ... windowed ones (windows of 16, 8 and 16 tokens, P=128) one sequence computing a
+    # 256-token prefill chunk with its window (up to 271 tokens: 3 pages, 4 where the window
+    # starts inside a page) while the 3 others decode (2 pages each: a window can straddle a
+    # page boundary).
     for name in ("swa", "state_c4", "state_c128"):
-        window = kv.specs[name].window
-        assert pages[name] == 4 * (math.ceil((window - 1) / P) + 2) + math.ceil(256 / P)
+        assert kv.specs[name].window <= 16
+        assert pages[name] == 4 + 3 * 2
     used = sum(s.num_pages * s.spec.bytes_per_page(P) for s in kv.spaces.values())
     assert used <= budget
     whole_page = sum(kv.specs[n].bytes_per_page(P) for n in ("c4", "c128", "indexer"))
@@ -96,7 +99,8 @@ def test_capacity_error_names_the_space(ckpt):
     """Room for the windows but only 8 pages of history: the error names the history spaces."""
     kv = LLM(ckpt, dtype="float32", max_model_len=512, max_num_seqs=1).engine.kv
     bpp = {n: s.bytes_per_page(128) for n, s in kv.specs.items()}
-    budget = 4 * (bpp["swa"] + bpp["state_c4"] + bpp["state_c128"]) + 8 * (bpp["c4"] + bpp["c128"] + bpp["indexer"])
+    # One sequence computing 128-token chunks with a window of <= 16 tokens holds 3 windowed pages.
+    budget = 3 * (bpp["swa"] + bpp["state_c4"] + bpp["state_c128"]) + 8 * (bpp["c4"] + bpp["c128"] + bpp["indexer"])
     with pytest.raises(ValueError) as err:
         LLM(ckpt, dtype="float32", max_model_len=2048, max_num_seqs=1, max_num_batched_tokens=128,
             kv_cache_memory_bytes=budget)
@@ -151,3 +155,37 @@ def test_cli_generate(ckpt, capsys):
                "a lighthouse keeper"])
     assert rc == 0
     assert "### a lighthouse keeper" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_windowed_spaces_sized_for_decoding_hold_a_full_batch_without_preemption(tmp_path, prefix_caching):
+    """The released shape (window 128, HCA 128, page 128): windowed spaces are sized for one
+    prefill chunk while the other sequences decode. HCA's state window moves in aligned
+    128-token blocks, so a decoding sequence holds 1 state_c128 page, also with prefix caching
+    (no hit reads HCA state at a page end, so the index never records -- and never pins -- it).
+    Four 300-token prompts prefilled in 128-token chunks beside the others' decodes never run
+    short (no preemption) and give the same tokens as one sequence at a time."""
+    path = build_v4_checkpoint(
+        str(tmp_path / "v4_w128"), sliding_window=128,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    )
+    g = torch.Generator().manual_seed(3)
+    prompts = [{"prompt_token_ids": torch.randint(3, 300, (300 + 7 * i,), generator=g).tolist()} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    one = LLM(path, dtype="float32", max_model_len=512, max_num_seqs=1, enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(path, dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=128,
+              enable_prefix_caching=prefix_caching)
+    kv = llm.engine.kv
+    # 3 decoding sequences + one 128-token chunk (with its window: 2 pages of state_c128, 3 of swa)
+    assert kv.spaces["state_c128"].num_pages == 3 * 1 + 2
+    assert kv.spaces["swa"].num_pages == 3 * 2 + 3
+    if prefix_caching:
+        assert kv.index.unread == {"state_c128"}
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.scheduler.num_preemptions == 0, "a batch the windowed spaces were sized for was preempted"
+    assert got == want
+    if prefix_caching:
+        assert all(nd.shadows["state_c128"] is None for nd in kv.index.nodes()), "the index recorded HCA state"
+        kv.check_invariants()

@@ -91,12 +91,13 @@ class DeepseekV4ForCausalLM(CausalLM):
             specs.append(SpaceSpec(INDEXER, cfg.csa_ratio, n_csa * cI * elt))
         # Raw compressor rows (C, Z) per token: CSA 2·2D (+ indexer 2·2cI), HCA 2·D. A closing
         # window reads back 2m rows (CSA, overlapping) or m (HCA): that is each state space's
-        # window, and its ring, so a page holds 8 (CSA) or 128 (HCA) rows, not P.
+        # window, and its ring, so a page holds 8 (CSA) or 128 (HCA) rows, not P. The window moves
+        # a ratio-token block at a time (align): HCA reads only the open block's rows.
         row_bytes = {STATE_C4: f32 * n_csa * (4 * D + 4 * cI), STATE_C128: f32 * n_hca * 2 * D}
         for ratio, overlap, space in compressor_kinds(cfg.csa_ratio if n_csa else None,
                                                       cfg.hca_ratio if n_hca else None).values():
             rows = (2 if overlap else 1) * ratio
-            specs.append(SpaceSpec(space, 1, row_bytes[space], window=rows, ring=rows))
+            specs.append(SpaceSpec(space, 1, row_bytes[space], window=rows, ring=rows, align=ratio))
         return specs
 
     def step_cost(self) -> StepCost:
