@@ -12,6 +12,7 @@ shows is the engine's scheduling and step cost alone, step by step:
 
     python benchmarks/closed_loop.py                                  # the serving defaults
     python benchmarks/closed_loop.py --target-step-seconds 0 --max-num-batched-tokens 1024
+    python benchmarks/closed_loop.py --stagger 0.3    # the first wave arrives over 0.3 s, as HTTP clients do
 
 Nothing is asserted; one warm-up pass of C requests runs before the measured one.
 """
@@ -32,7 +33,10 @@ from hybridkv import LLM, SamplingParams  # noqa: E402
 from hybridkv.entrypoints.cli import SERVE_TARGET_STEP_SECONDS  # noqa: E402
 
 
-def run(llm: LLM, prompts: list[list[int]], output_len: int, concurrency: int, tag: str) -> dict:
+def run(llm: LLM, prompts: list[list[int]], output_len: int, concurrency: int, tag: str, stagger: float = 0.0) -> dict:
+    """stagger > 0: the first `concurrency` requests arrive evenly spread over `stagger` seconds
+    (as requests through an HTTP server do) instead of all at once; a request's TTFT counts from
+    its arrival. Later ones still arrive the moment a request finishes."""
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     schedule = eng.scheduler.schedule
@@ -46,13 +50,22 @@ def run(llm: LLM, prompts: list[list[int]], output_len: int, concurrency: int, t
     pending = list(enumerate(prompts))
     added, first, done, tokens, steps = {}, {}, {}, {}, []
     t0 = time.perf_counter()
+    # Request k < concurrency arrives at arrive[k] (all at t0 when stagger is 0); every later
+    # one when a request in flight finishes.
+    arrive = [t0 + k * stagger / concurrency for k in range(concurrency)]
     try:
         while pending or eng.has_unfinished_requests():
             while pending and len(added) - len(done) < concurrency:
+                k = len(added)
+                if k < concurrency and time.perf_counter() < arrive[k]:
+                    if eng.has_unfinished_requests():
+                        break  # it arrives during a later step
+                    time.sleep(arrive[k] - time.perf_counter())  # idle until it arrives
                 i, p = pending.pop(0)
                 rid = f"{tag}{i}"
                 eng.add_request(rid, {"prompt_token_ids": p}, sp, interactive=True)
-                added[rid] = time.perf_counter()
+                # A first-wave request waited from its arrival (a server queues it then).
+                added[rid] = arrive[k] if k < concurrency else time.perf_counter()
             ts = time.perf_counter()
             outs = eng.step()
             now = time.perf_counter()
@@ -89,6 +102,9 @@ def main(argv=None) -> int:
                     help=f"the scheduler's step target (default: serve's, {SERVE_TARGET_STEP_SECONDS}; 0 = off)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--stagger", type=float, default=0.0,
+                    help="spread the first wave's arrivals over this many seconds (HTTP clients starting one "
+                         "after another; 0 = all at once)")
     args = ap.parse_args(argv)
     llm = LLM(args.model, dtype=args.dtype, seed=0, num_threads=args.threads,
               target_step_seconds=args.target_step_seconds or None,
@@ -98,10 +114,11 @@ def main(argv=None) -> int:
     prompts = [torch.randint(100, vocab - 100, (args.input_len,), generator=g).tolist()
                for _ in range(args.num_prompts + args.concurrency)]
     run(llm, prompts[args.num_prompts:], args.output_len, args.concurrency, "warm")
-    r = run(llm, prompts[: args.num_prompts], args.output_len, args.concurrency, "req")
+    r = run(llm, prompts[: args.num_prompts], args.output_len, args.concurrency, "req", args.stagger)
     budget = llm.engine.config.max_num_batched_tokens or "engine default"
     print(f"{args.num_prompts} requests of {args.input_len} in / {args.output_len} out, concurrency "
-          f"{args.concurrency}; step target {args.target_step_seconds or 'off'}, max_num_batched_tokens {budget}")
+          f"{args.concurrency}; step target {args.target_step_seconds or 'off'}, max_num_batched_tokens {budget}; "
+          f"first wave {'staggered over ' + format(args.stagger, 'g') + ' s' if args.stagger else 'all at once'}")
     print(f"  duration {r['duration']:.1f} s, {r['req_s']:.3f} req/s, mean TTFT {r['ttft']:.2f} s, "
           f"mean TPOT {r['tpot'] * 1e3:.0f} ms")
     print(f"  steps with prompt tokens: {r['prefill_steps']} (mean {r['prefill_tokens']:.0f} prompt tokens, "
