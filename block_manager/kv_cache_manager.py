@@ -38,8 +38,7 @@ from hybridkv.block_manager.tier_transfers import TierTransfers
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NULL_PAGE", "KVCacheManager", "PrefixHit"]
-
+__all__ = ["NULL_PAGE", "KVCacheManager", "PrefixHit", "windowed_live_pages"]
 
 
 def windowed_live_pages(specs: Sequence[SpaceSpec], chunk_tokens: int, page_size: int,
@@ -56,6 +55,7 @@ def windowed_live_pages(specs: Sequence[SpaceSpec], chunk_tokens: int, page_size
     recorded = [s.name for s in specs if s.windowed and s.pages_read_at_page_end(page_size) > 0]
     widest = max((live[n] for n in recorded), default=0)
     return {n: max(k, widest) if n in recorded else k for n, k in live.items()}
+
 
 @dataclass
 class PrefixHit:

@@ -100,7 +100,6 @@ def _is_bool_scalar(value: Any) -> bool:
     return np is not None and isinstance(value, np.bool_)
 
 
-
 def windowed_space_caps(specs: list[SpaceSpec], page_size: int, max_num_seqs: int, max_chunk_tokens: int,
                         prefix_caching: bool) -> dict[str, int]:
     """Most pages each windowed space needs (LLMEngine._pages_per_space): one sequence computing
@@ -108,6 +107,7 @@ def windowed_space_caps(specs: list[SpaceSpec], page_size: int, max_num_seqs: in
     decode = windowed_live_pages(specs, 1, page_size, prefix_caching)
     chunk = windowed_live_pages(specs, max_chunk_tokens, page_size, prefix_caching)
     return {name: (max_num_seqs - 1) * decode[name] + chunk[name] for name in decode}
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -292,11 +292,11 @@ class LLMEngine:
         computing a prefill chunk of max_chunk_tokens (with its window) while every other one
         decodes (kv_cache_manager.windowed_live_pages: the window, plus a page where its start
         can fall inside one; with prefix caching, the widest window's), and never more than
-        n + max_num_seqs pages; n is the largest count for
-        which everything fits in the budget. Sized for decode, not for every sequence
-        prefilling at once: a step whose several prefill chunks need more takes the
-        scheduler's usual shortage path (preempt the newest); short prompts fit in their
-        decode window, so only several long chunks in one step can get there.
+        n + max_num_seqs pages; n is the largest count for which everything fits in the budget.
+        Sized for decode, not for every sequence prefilling at once: a step whose several
+        prefill chunks need more takes the scheduler's usual shortage path (preempt the
+        newest); short prompts fit in their decode window, so only several long chunks in one
+        step can get there.
 
         HiSparse (engine/hisparse_plan.py): the c4 space is the host mirror, outside the device
         budget, which pays the hot buffers instead.
