@@ -109,11 +109,12 @@ class SiluAndMulMLP(nn.Module):
             raise ValueError(f"hidden_act {act!r} is not supported")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        # .forward, not __call__: no hooks here, and the per-call checks show in decode (llama.py).
+        gate_up = self.gate_up_proj.forward(x)
         if self.is_silu and gate_up.is_cpu and gate_up.dtype in _FUSED_DTYPES and (ops := fused_ops()):
-            return self.down_proj(ops.silu_and_mul(gate_up.view(-1, 2 * self.intermediate)).view(*x.shape[:-1], -1))
+            return self.down_proj.forward(ops.silu_and_mul(gate_up.view(-1, 2 * self.intermediate)).view(*x.shape[:-1], -1))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj.forward(self.act(gate) * up)
 
 
 # -- CPU weight prepacking ----------------------------------------------------------------------

@@ -1,7 +1,17 @@
 """Shared fixtures: tiny checkpoints, and the leak check every test ends with."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# The Triton kernels run on CPU tensors only under the interpreter, and a kernel is bound to
+# the interpreter or not when its module is imported. Without a GPU, turn it on before any
+# test runs, so that the result does not depend on which test imported a kernel module first
+# (a model test importing one before the kernel tests set the flag made them fail).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from redis_server import redis_server, redis_server_factory  # noqa: F401 - fixtures (a real redis-server)
 from tiny_checkpoints import build_checkpoint

@@ -5,6 +5,11 @@ Differences between the family members are flags read from config.json:
   per-head q/k norm Qwen3
   sliding window   Mistral (every layer), Qwen2/Qwen3 (layer_types == "sliding_attention")
 Full-attention layers read the "full" block space, sliding layers the "swa" space.
+
+The forward passes call their submodules' `.forward` directly, not through nn.Module.__call__:
+its hook and tracing checks cost a few microseconds per call, ~10 calls per layer, and nothing
+here registers hooks. Single-stream decode of the demo model (Zen 3, AVX2, float32, one process,
+alternating rounds): 27.1 -> 29.9-30.7 tok/s, +10-13%, outputs identical.
 """
 from __future__ import annotations
 
@@ -53,7 +58,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj.forward(x)
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             # Rotate q and k in one pass: fewer ops per layer matters at decode batch sizes.
@@ -61,10 +66,10 @@ class LlamaAttention(nn.Module):
             q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             q, k = qkv[:, : self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
-            q = apply_rotary(self.q_norm(q.view(T, self.num_heads, self.head_dim)), *rope)
-            k = apply_rotary(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), *rope)
+            q = apply_rotary(self.q_norm.forward(q.view(T, self.num_heads, self.head_dim)), *rope)
+            k = apply_rotary(self.k_norm.forward(k.view(T, self.num_kv_heads, self.head_dim)), *rope)
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.space, self.scale)
-        return self.o_proj(o.reshape(T, self.q_size))
+        return self.o_proj.forward(o.reshape(T, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -78,8 +83,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, rope, hidden, meta):
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.self_attn.forward(rope, self.input_layernorm.forward(hidden), meta)
+        return hidden + self.mlp.forward(self.post_attention_layernorm.forward(hidden))
 
 
 class LlamaForCausalLM(CausalLM):
@@ -156,8 +161,8 @@ class LlamaForCausalLM(CausalLM):
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb.lookup(positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(rope, hidden, meta)
-        return self.norm(hidden)
+            hidden = layer.forward(rope, hidden, meta)
+        return self.norm.forward(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._packed_logits is not None:
