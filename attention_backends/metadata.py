@@ -160,6 +160,9 @@ class PrefillSeq:
     # come off a FIFO free list, so a prompt's pages are mostly consecutive.
     key_runs: list[tuple[int, int, int]] = field(default_factory=list)
     _blocks: dict = field(default_factory=dict, repr=False)  # key_blocks memo: same for every layer
+    # A backend's per-step memo of what it derives from this sequence alone and reuses in every
+    # layer (torch_native: the edge masks of its query tiles).
+    layer_memo: dict = field(default_factory=dict, repr=False)
 
     def key_blocks(self, k0: int, k1: int, chunk: int, min_view: int) -> list[tuple[int, int, int | None]]:
         """Keys [k0, k1) cut into blocks of at most `chunk` keys, as (first, one past the last,
