@@ -48,8 +48,11 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.post_attention_layernorm(self.self_attn(rope, self.input_layernorm(hidden), meta))
-        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+        # .forward, not __call__, as in llama.py (no hooks; the per-call checks show in decode)
+        attn = self.self_attn.forward(rope, self.input_layernorm.forward(hidden), meta)
+        hidden = hidden + self.post_attention_layernorm.forward(attn)
+        mlp = self.mlp.forward(self.pre_feedforward_layernorm.forward(hidden))
+        return hidden + self.post_feedforward_layernorm.forward(mlp)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -102,8 +105,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         ropes = {t: emb.lookup(positions, hidden.dtype) for t, emb in self.rotary_emb.items()}
         for layer in self.layers:
-            hidden = layer(ropes[layer.layer_type], hidden, meta)
-        return self.norm(hidden)
+            hidden = layer.forward(ropes[layer.layer_type], hidden, meta)
+        return self.norm.forward(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
