@@ -159,18 +159,18 @@ class PrefillSeq:
     # slot of the first): a run is read in place (a view of the cache), never gathered. Pages
     # come off a FIFO free list, so a prompt's pages are mostly consecutive.
     key_runs: list[tuple[int, int, int]] = field(default_factory=list)
-    _blocks: dict = field(default_factory=dict, repr=False)  # key_blocks memo: same for every layer
-    # A backend's per-step memo of what it derives from this sequence alone and reuses in every
-    # layer (torch_native: the edge masks of its query tiles).
+    # What is derived from this sequence alone and is the same in every layer of the step, built
+    # by the first layer: key_blocks' cuts, and a backend's own (torch_native: its edge masks).
+    # Keys are tuples tagged by their user.
     layer_memo: dict = field(default_factory=dict, repr=False)
 
     def key_blocks(self, k0: int, k1: int, chunk: int, min_view: int) -> list[tuple[int, int, int | None]]:
         """Keys [k0, k1) cut into blocks of at most `chunk` keys, as (first, one past the last,
         first slot when the block is one run of at least min_view keys -- read as a view -- else
         None -- gathered). Short runs are merged into gathered blocks."""
-        memo_key = (k0, k1, chunk, min_view)
-        if memo_key in self._blocks:
-            return self._blocks[memo_key]
+        memo_key = ("blocks", k0, k1, chunk, min_view)
+        if memo_key in self.layer_memo:
+            return self.layer_memo[memo_key]
         blocks: list[tuple[int, int, int | None]] = []
         pending = None  # first key of keys waiting to be gathered
 
@@ -192,7 +192,7 @@ class PrefillSeq:
                 blocks.append((c, min(b, c + chunk), slot + c - lo))
         if pending is not None:
             flush(k1)
-        self._blocks[memo_key] = blocks
+        self.layer_memo[memo_key] = blocks
         return blocks
 
     @property

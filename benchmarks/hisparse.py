@@ -244,8 +244,9 @@ def _bench(args, model: str, C: int, O: int, contexts: list[int]) -> int:
         print(f"   HiSparse {name:<3}: peak decoding batch {r['peak']:3d}  decode {r['decode_tok_s']:8.1f} tok/s  "
               f"preemptions {r['preemptions']}" + (f"  hit rate {r['stats'].hit_rate:.1%}" if r["stats"] else ""))
     if on_r["peak"] < m_on:
-        print(f"   (HiSparse on peaked at {on_r['peak']} of {m_on} sequences decoding at once: the first requests finished "
-              f"while later ones still prefilled; raise --output-tokens to measure the full batch)")
+        print(f"   (HiSparse on peaked at {on_r['peak']} of {m_on} sequences decoding at once, so its decode tok/s is not "
+              f"that of the full batch: with no preemptions the first requests finished while later ones still "
+              f"prefilled; raise --output-tokens)")
     print(f"   on/off: batch {on_r['peak'] / max(1, off_r['peak']):.2f}x, decode throughput "
           f"{on_r['decode_tok_s'] / off_r['decode_tok_s']:.2f}x; outputs identical to HiSparse off at the same batch: "
           f"{same}; off at its own batch agrees on {agree} of {len(ps)} requests")

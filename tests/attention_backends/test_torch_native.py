@@ -27,9 +27,11 @@ class _Step:
     """One step: the block table rows, cached K/V for the positions before each chunk, and the
     new tokens' q/k/v. Logical K/V per sequence and position are kept for the reference."""
 
-    def __init__(self, spans: list[tuple[int, int]], window: int | None, seed: int, pages: str = "shuffled") -> None:
+    def __init__(self, spans: list[tuple[int, int]], window: int | None, seed: int, pages: str = "shuffled",
+                 value_seed: int | None = None) -> None:
+        """value_seed: other q/k/v over the same block tables (as the next layer of a step sees)."""
         rng = random.Random(seed)
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator().manual_seed(seed if value_seed is None else value_seed)
         self.spans, self.window = spans, window
         pool = list(range(NUM_PAGES, 0, -1))  # popped from the end: "consecutive" = ascending pages
         if pages == "shuffled":
@@ -99,6 +101,26 @@ def test_backend_matches_dense_reference_over_random_pages(window, tiles, pages,
     got = be.forward(step.q, step.k, step.v, step.k_cache, step.v_cache, meta, "full", D**-0.5)
     assert not got.isnan().any(), "a masked key read uninitialised (NaN) pool memory"
     torch.testing.assert_close(got, step.reference(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_edge_masks_kept_for_the_step_serve_every_layer(window):
+    """A prefill tile's edge masks are built by the first layer and kept on the step's
+    PrefillSeq (layer_memo); a second layer, with other q/k/v over the same tables, must still
+    match the dense reference, and must not build new ones."""
+    first = _Step(SPANS, window, seed=5)
+    second = _Step(SPANS, window, seed=5, value_seed=6)
+    be = backend("kernel")
+    first.seqs.decode_tiles = be.needs_decode_tiles
+    meta = build_attention_metadata(first.seqs, {"full": window}, P, SMALL_TILES)
+    prefills = meta.spaces["full"].prefills
+    got = be.forward(first.q, first.k, first.v, first.k_cache, first.v_cache, meta, "full", D**-0.5)
+    torch.testing.assert_close(got, first.reference(), atol=1e-5, rtol=1e-5)
+    kept = [dict(p.layer_memo) for p in prefills]
+    assert any(k[0] == "edge" for memo in kept for k in memo), "no edge mask was kept for the step"
+    got = be.forward(second.q, second.k, second.v, second.k_cache, second.v_cache, meta, "full", D**-0.5)
+    torch.testing.assert_close(got, second.reference(), atol=1e-5, rtol=1e-5)
+    assert [p.layer_memo.keys() for p in prefills] == [k.keys() for k in kept], "the second layer rebuilt masks"
 
 
 def test_small_tiles_exercise_every_path():
