@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridkv.attention_backends.cpu_kernels import load_paged_attention
+from hybridkv.attention_backends.cpu_kernels import load_paged_attention, load_write_kv
 from hybridkv.attention_backends.metadata import AttentionMetadata, DecodeTile, PrefillSeq, TileSizes
 from hybridkv.block_manager.space_spec import window_start
 
@@ -54,6 +54,7 @@ class TorchNativeAttention:
         compiler: the torch path over the metadata's decode tiles."""
         on_cpu = torch.device(device).type == "cpu"
         self._paged = load_paged_attention() if cpu_kernels and on_cpu else None
+        self._write_kv = load_write_kv() if cpu_kernels and on_cpu else None
 
     @property
     def needs_decode_tiles(self) -> bool:
@@ -75,8 +76,7 @@ class TorchNativeAttention:
         if meta.kv_loads is not None:  # host-tier load-backs into this layer's pages land first
             meta.kv_loads.wait(k_cache, v_cache)
         sm = meta.spaces[space]
-        k_cache.index_copy_(1, sm.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, sm.slot_mapping, v.transpose(0, 1))
+        self._write(k, v, k_cache, v_cache, sm.slot_mapping)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
             return self._decodes(q, k_cache, v_cache, meta, sm, scale)
@@ -86,6 +86,17 @@ class TorchNativeAttention:
         for p in sm.prefills:
             out[p.query_start : p.query_end] = self._prefill(q, k, v, k_cache, v_cache, p, sm.window, scale, meta.tiles)
         return out
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               slots: torch.Tensor) -> None:
+        """The step's K/V rows into their slots: the C++ copy when it applies (CPU tensors, rows
+        contiguous per head), else index_copy_ (its reference)."""
+        if (self._write_kv is not None and k.is_cpu and k_cache.is_cpu and slots.dtype == torch.int64
+                and k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1):
+            self._write_kv(k_cache, v_cache, slots, k, v)
+            return
+        k_cache.index_copy_(1, slots, k.transpose(0, 1))
+        v_cache.index_copy_(1, slots, v.transpose(0, 1))
 
     # -- decode --------------------------------------------------------------------------------
     def _decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -8,11 +8,13 @@ shows is the engine's scheduling and step cost alone, step by step:
   * duration, request throughput, mean TTFT and mean TPOT (TTFT from add_request to the step
     that returned the first token; TPOT over the rest);
   * how the steps were spent: steps that computed prompt tokens (mean prompt tokens, decodes
-    riding along, seconds) and decode-only steps (mean batch, seconds).
+    riding along, seconds) and decode-only steps (mean batch, seconds);
+  * the streams' gaps (every step a stream decodes in is one): p50, p99 and the longest.
 
     python benchmarks/closed_loop.py                                  # the serving defaults
     python benchmarks/closed_loop.py --target-step-seconds 0 --max-num-batched-tokens 1024
     python benchmarks/closed_loop.py --stagger 0.3    # the first wave arrives over 0.3 s, as HTTP clients do
+    python benchmarks/closed_loop.py --stagger 0.3 --max-step-seconds 0   # every step held to the target
 
 Nothing is asserted; one warm-up pass of C requests runs before the measured one.
 """
@@ -30,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from online_peer import add_load_args  # noqa: E402
 
 from hybridkv import LLM, SamplingParams  # noqa: E402
-from hybridkv.entrypoints.cli import SERVE_TARGET_STEP_SECONDS  # noqa: E402
+from hybridkv.entrypoints.cli import SERVE_MAX_STEP_SECONDS, SERVE_TARGET_STEP_SECONDS  # noqa: E402
 
 
 def run(llm: LLM, prompts: list[list[int]], output_len: int, concurrency: int, tag: str, stagger: float = 0.0) -> dict:
@@ -82,6 +84,8 @@ def run(llm: LLM, prompts: list[list[int]], output_len: int, concurrency: int, t
     duration = time.perf_counter() - t0
     prefill = [s for s in steps if s[1]]
     decode = [s for s in steps if not s[1] and s[0]]
+    # Every step a stream decodes in is one gap between two of its tokens.
+    gaps = sorted(t for d, _, t in steps for _ in range(d))
     return dict(
         duration=duration, req_s=len(done) / duration,
         ttft=statistics.mean(first[r] - added[r] for r in done),
@@ -92,6 +96,9 @@ def run(llm: LLM, prompts: list[list[int]], output_len: int, concurrency: int, t
         prefill_step_s=statistics.mean(s[2] for s in prefill) if prefill else 0.0,
         decode_batch=statistics.mean(s[0] for s in decode) if decode else 0.0,
         decode_step_s=statistics.mean(s[2] for s in decode) if decode else 0.0,
+        gap_p50=gaps[len(gaps) // 2] if gaps else 0.0,
+        gap_p99=gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else 0.0,
+        gap_max=gaps[-1] if gaps else 0.0,
     )
 
 
@@ -100,6 +107,9 @@ def main(argv=None) -> int:
     add_load_args(ap)  # the same load as online_peer.py's
     ap.add_argument("--target-step-seconds", type=float, default=SERVE_TARGET_STEP_SECONDS,
                     help=f"the scheduler's step target (default: serve's, {SERVE_TARGET_STEP_SECONDS}; 0 = off)")
+    ap.add_argument("--max-step-seconds", type=float, default=SERVE_MAX_STEP_SECONDS,
+                    help=f"the longest step while streams decode (default: serve's, {SERVE_MAX_STEP_SECONDS}; "
+                         "0 = the target: every step held to it)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--stagger", type=float, default=0.0,
@@ -108,6 +118,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     llm = LLM(args.model, dtype=args.dtype, seed=0, num_threads=args.threads,
               target_step_seconds=args.target_step_seconds or None,
+              max_step_seconds=(args.max_step_seconds or None) if args.target_step_seconds else None,
               max_num_batched_tokens=args.max_num_batched_tokens)
     vocab = llm.engine.runner.config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -117,13 +128,16 @@ def main(argv=None) -> int:
     r = run(llm, prompts[: args.num_prompts], args.output_len, args.concurrency, "req", args.stagger)
     budget = llm.engine.config.max_num_batched_tokens or "engine default"
     print(f"{args.num_prompts} requests of {args.input_len} in / {args.output_len} out, concurrency "
-          f"{args.concurrency}; step target {args.target_step_seconds or 'off'}, max_num_batched_tokens {budget}; "
+          f"{args.concurrency}; step target {args.target_step_seconds or 'off'}, longest step "
+          f"{args.max_step_seconds or args.target_step_seconds or 'off'}, max_num_batched_tokens {budget}; "
           f"first wave {'staggered over ' + format(args.stagger, 'g') + ' s' if args.stagger else 'all at once'}")
     print(f"  duration {r['duration']:.1f} s, {r['req_s']:.3f} req/s, mean TTFT {r['ttft']:.2f} s, "
           f"mean TPOT {r['tpot'] * 1e3:.0f} ms")
     print(f"  steps with prompt tokens: {r['prefill_steps']} (mean {r['prefill_tokens']:.0f} prompt tokens, "
           f"{r['prefill_decodes']:.1f} decodes, {r['prefill_step_s'] * 1e3:.0f} ms); decode-only steps: "
           f"{r['decode_steps']} (mean batch {r['decode_batch']:.1f}, {r['decode_step_s'] * 1e3:.0f} ms)")
+    print(f"  stream gaps (a step each decoding stream waited through): p50 {r['gap_p50'] * 1e3:.0f} ms, "
+          f"p99 {r['gap_p99'] * 1e3:.0f} ms, longest {r['gap_max'] * 1e3:.0f} ms")
     print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in r.items()))
     return 0
 

@@ -46,6 +46,10 @@ class EngineConfig:
     # (seconds): a long prompt cannot freeze running streams. None = the token budget alone
     # (offline default, for throughput); `hybridkv serve` defaults to 0.25.
     target_step_seconds: float | None = None
+    # With a target: the longest a step may be planned while requests decode. Above the target,
+    # cheap decode-only steps bank time for fewer, longer prefill steps and the mean gap stays at
+    # the target (engine/gap_budget.py). None = the target itself: every step is held to it.
+    max_step_seconds: float | None = None
     allow_pickle_weights: bool = False
     # "auto" | "torch_native" | "triton" | "xformers" (hybridkv.attention_backends.registry): auto
     # = triton on CUDA when the triton package imports, else torch_native. A backend that cannot
@@ -98,6 +102,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.target_step_seconds is not None and not self.target_step_seconds > 0:
             raise ValueError(f"target_step_seconds must be > 0 or None, got {self.target_step_seconds}")
+        if self.max_step_seconds is not None and (
+                self.target_step_seconds is None or not self.max_step_seconds >= self.target_step_seconds):
+            raise ValueError(f"max_step_seconds ({self.max_step_seconds}) needs a target_step_seconds "
+                             f"({self.target_step_seconds}) no larger than it")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if self.preemption_mode not in ("recompute", "swap"):

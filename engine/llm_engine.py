@@ -164,7 +164,8 @@ class LLMEngine:
         self.storage = self._make_storage_tier(specs) if config.hicache_storage_backend is not None else None
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, budget, self.max_model_len, config.scheduling_policy,
-                            config.target_step_seconds, preemption_mode=config.preemption_mode),
+                            config.target_step_seconds, config.max_step_seconds,
+                            preemption_mode=config.preemption_mode),
             self.kv, self.runner.step_cost, storage=self.storage,
         )
         self._groups: dict[str, _Group] = {}

@@ -12,6 +12,10 @@ from the model's StepCost, seconds per FLOP learnt by engine/step_timer.py). A l
 arrives in many short chunks instead of freezing every stream for one long step; without
 decodes (nobody is waiting for a token) the token budget alone applies, for throughput. One
 prefill chunk of at least `min_prefill_chunk` tokens always runs, so prefill never starves.
+With `max_step_seconds` above the target (the server's default), the target is the streams'
+mean gap rather than every step's: decode-only steps bank what they leave under it and a later
+step spends it on a longer prefill chunk, up to max_step_seconds (engine/gap_budget.py); a
+banking step runs decodes only.
 
 A request whose pages
 cannot be allocated preempts the most recently admitted running request (recompute: its
@@ -25,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hybridkv.block_manager.kv_cache_manager import KVCacheManager
+from hybridkv.engine.gap_budget import GapBudget
 from hybridkv.engine.request import Request, RequestStatus
 from hybridkv.engine.scheduling_policy import SchedulingPolicy
 from hybridkv.engine.step_timer import StepTimer
@@ -39,12 +44,19 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: str = "fcfs"
     target_step_seconds: float | None = None  # None: the token budget alone sizes prefill chunks
+    # The longest step planned while streams decode (engine/gap_budget.py); None: the target, so
+    # every step is held to it. Above it, decode-only steps bank time for fewer, longer prefill steps.
+    max_step_seconds: float | None = None
     min_prefill_chunk: int = 4  # tokens; the prefill progress every step makes at least
     preemption_mode: str = "recompute"  # "swap": a preempted request's pages go to the host tier
 
     def __post_init__(self) -> None:
         if self.target_step_seconds is not None and not self.target_step_seconds > 0:
             raise ValueError(f"target_step_seconds must be > 0 or None, got {self.target_step_seconds}")
+        if self.max_step_seconds is not None and (
+                self.target_step_seconds is None or not self.max_step_seconds >= self.target_step_seconds):
+            raise ValueError(f"max_step_seconds ({self.max_step_seconds}) needs a target_step_seconds "
+                             f"({self.target_step_seconds}) no larger than it")
         if self.min_prefill_chunk < 1:
             raise ValueError(f"min_prefill_chunk must be >= 1, got {self.min_prefill_chunk}")
         if self.max_num_seqs < 1:
@@ -103,6 +115,8 @@ class Scheduler:
         self.step_cost = step_cost
         self.storage = storage
         self.timer = StepTimer(config.target_step_seconds) if config.target_step_seconds is not None else None
+        self.gaps = (GapBudget(config.target_step_seconds, config.max_step_seconds or config.target_step_seconds)
+                     if config.target_step_seconds is not None else None)
         # Preemption accounting: resumes that loaded pages back from the host (swap-ins), tokens
         # they loaded, and whole-page tokens a resume had to recompute (the cache had lost them).
         self.num_swap_ins = 0
@@ -248,8 +262,11 @@ class Scheduler:
         flops = cost.decode_flops(n, context) if n else 0.0
         out.estimated_flops = flops
         out.estimated_reads = max(0.0, flops - n * (cost.flops_per_token + cost.flops_per_sample))  # its attention
-        self._seconds_left = (self.config.target_step_seconds - self.timer.seconds(flops, out.estimated_reads)
-                              if watched else None)
+        decode_seconds = self.timer.seconds(flops, out.estimated_reads)
+        allowed = self.gaps.plan(watched, decode_seconds)
+        if allowed == 0.0:  # a banking step: decodes only
+            self._floor_used = True
+        self._seconds_left = None if allowed is None else allowed - decode_seconds
 
     def _price_chunk(self, start: int, n: int, total: int, out: SchedulerOutput) -> int:
         """How many of n prefill tokens from `start` (of `total` known) fit this step; charges
@@ -276,6 +293,7 @@ class Scheduler:
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The wall time of a step this scheduler planned (the timer learns from it)."""
         if self.timer is not None:
+            self.gaps.observe(seconds)
             self.timer.observe(out.estimated_flops, seconds, out.computed_prefill, out.estimated_reads)
 
     def _preempt(self, req: Request) -> None:

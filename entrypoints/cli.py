@@ -15,6 +15,9 @@ CLI_EXCLUDED_LLM_KWARGS = frozenset({"allow_pickle_weights"})
 DEFAULT_ATTENTION_BACKEND = "auto"
 # A server's streams should not freeze behind someone's long prompt: a step's target time.
 SERVE_TARGET_STEP_SECONDS = 0.25
+# ...on average; one step may take up to this, so decode-only steps can bank time for a long
+# prefill step (engine/gap_budget.py). Under issue 9's 0.5 s bound on a stream's p99 gap.
+SERVE_MAX_STEP_SECONDS = 0.4
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -32,6 +35,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-step-seconds", type=float, default=None,
                    help="while requests decode, size prefill chunks so a step stays under this many seconds "
                         f"(default: off for generate, {SERVE_TARGET_STEP_SECONDS} for serve; 0 = off)")
+    p.add_argument("--max-step-seconds", type=float, default=None,
+                   help="with a step target: the longest step while requests decode; above the target, "
+                        "decode-only steps bank time for fewer, longer prefill steps and the mean stays at the "
+                        f"target (default: the target for generate, {SERVE_MAX_STEP_SECONDS} for serve)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
@@ -103,6 +110,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         target_step_seconds=args.target_step_seconds or None,  # 0 = off
+        max_step_seconds=args.max_step_seconds,
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         num_threads=args.num_threads,
@@ -148,6 +156,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_engine_kwargs(args: argparse.Namespace) -> dict:
+    """engine_kwargs with the serving defaults: a step target, and the longest step around it."""
+    kwargs = engine_kwargs(args)
+    if args.target_step_seconds is None:  # serving default; an explicit 0 turns it off
+        kwargs["target_step_seconds"] = SERVE_TARGET_STEP_SECONDS
+        kwargs["max_step_seconds"] = args.max_step_seconds or SERVE_MAX_STEP_SECONDS
+    return kwargs
+
+
 def server_settings(args: argparse.Namespace, chat_template: str | None):
     """The ServerSettings `hybridkv serve` runs with, validated (before any model loads)."""
     import os
@@ -185,9 +202,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
-    kwargs = engine_kwargs(args)
-    if args.target_step_seconds is None:  # serving default; an explicit 0 turns it off
-        kwargs["target_step_seconds"] = SERVE_TARGET_STEP_SECONDS
+    kwargs = serve_engine_kwargs(args)
     settings = server_settings(args, kwargs["chat_template"])
     engine = AsyncLLMEngine.from_config(EngineConfig(model=args.model_tag or args.model, **kwargs),
                                         max_queued_requests=max_queued_requests(args))

@@ -15,12 +15,14 @@ slot into a temporary, and no per-key slot list built on the host each step. The
 path (attention_backends/torch_native.py's decode tiles) stays as the fallback and as the
 reference the tests hold this kernel to. When there is no compiler, the build fails, or
 HYBRIDKV_CPU_KERNELS=0 is set, `load_paged_attention()` returns None (logged once) and the
-backend keeps the torch path.
+backend keeps the torch path. The same module has `write_kv`, the step's K/V rows into their
+slots (`load_write_kv()`; index_copy_ is its fallback and reference).
 """
 from __future__ import annotations
 
 import functools
 from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -28,16 +30,29 @@ import torch
 from hybridkv.attention_backends.cpu_kernels.build import ENV_SWITCH, build_cpu_extension, kernels_enabled
 
 __all__ = ["ENV_SWITCH", "build_cpu_extension", "kernels_enabled", "load_indexer_topk", "load_joint_attention",
-           "load_paged_attention"]
+           "load_paged_attention", "load_paged_attention_module", "load_write_kv"]
 
 
 @functools.lru_cache(maxsize=1)
+def load_paged_attention_module() -> ModuleType | None:
+    """paged_attention.cpp compiled (`paged_attention`, `write_kv`), or None when it cannot be
+    built here; built once per process."""
+    return build_cpu_extension("hybridkv_paged_attention", Path(__file__).with_name("paged_attention.cpp"),
+                               ["paged_attention", "write_kv"], "CPU paged-attention kernel")
+
+
 def load_paged_attention() -> Callable[..., torch.Tensor] | None:
     """The compiled `paged_attention(q, k_cache, v_cache, block_table, group_start, group_row,
     positions, page_size, window, scale) -> out`, or None when it cannot be built here."""
-    module = build_cpu_extension("hybridkv_paged_attention", Path(__file__).with_name("paged_attention.cpp"),
-                                 ["paged_attention"], "CPU paged-attention kernel")
+    module = load_paged_attention_module()
     return None if module is None else module.paged_attention
+
+
+def load_write_kv() -> Callable[..., None] | None:
+    """The compiled `write_kv(k_cache, v_cache, slots, k, v)`: k_cache[h, slots[t]] = k[t, h] (and
+    v), what two index_copy_ calls do, or None when it cannot be built here."""
+    module = load_paged_attention_module()
+    return None if module is None else module.write_kv
 
 
 @functools.lru_cache(maxsize=1)

@@ -18,11 +18,11 @@ P, H, HKV, D = 4, 4, 2, 8
 
 @pytest.fixture
 def fresh_loader():
-    """load_paged_attention is cached per process: clear it around the test (the next user
+    """load_paged_attention_module is cached per process: clear it around the test (the next user
     reloads the compiled module from the build cache)."""
-    cpu_kernels.load_paged_attention.cache_clear()
+    cpu_kernels.load_paged_attention_module.cache_clear()
     yield
-    cpu_kernels.load_paged_attention.cache_clear()
+    cpu_kernels.load_paged_attention_module.cache_clear()
 
 
 def _decode_step():
@@ -66,7 +66,7 @@ def test_a_failed_build_falls_back_to_torch_with_one_warning(fresh_loader, monke
     assert backend.needs_decode_tiles
     warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "g++: not found" in warnings[0].getMessage()
-    cpu_kernels.load_paged_attention.cache_clear()
+    cpu_kernels.load_paged_attention_module.cache_clear()
     monkeypatch.undo()
     with_kernel = TorchNativeAttention()
     assert not with_kernel.needs_decode_tiles, "the CPU paged kernel did not build on this machine"
@@ -80,3 +80,34 @@ def test_a_backend_without_the_kernel_refuses_metadata_without_tiles():
     meta = build_attention_metadata(seqs, {"full": None}, P)
     with pytest.raises(RuntimeError, match="decode tiles were not built"):
         backend.forward(q, k, v, kc, vc, meta, "full", D**-0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_puts_rows_where_index_copy_does(dtype):
+    write_kv = cpu_kernels.load_write_kv()
+    if write_kv is None:
+        pytest.skip("the CPU kernels do not build on this machine")
+    g = torch.Generator().manual_seed(1)
+    T, slots_n = 7, 40
+    # k and v as the model hands them over: views into a fused qkv row, not contiguous tensors.
+    qkv = torch.randn(T, (H + 2 * HKV) * D, generator=g).to(dtype)
+    k = qkv[:, H * D:(H + HKV) * D].view(T, HKV, D)
+    v = qkv[:, (H + HKV) * D:].view(T, HKV, D)
+    slots = torch.randperm(slots_n, generator=g)[:T]
+    kc, vc = torch.randn(HKV, slots_n, D, generator=g).to(dtype), torch.randn(HKV, slots_n, D, generator=g).to(dtype)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    ref_k.index_copy_(1, slots, k.transpose(0, 1))
+    ref_v.index_copy_(1, slots, v.transpose(0, 1))
+    write_kv(kc, vc, slots, k, v)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v), "write_kv must write exactly what index_copy_ writes"
+
+
+def test_write_kv_refuses_a_slot_outside_the_cache_before_writing():
+    write_kv = cpu_kernels.load_write_kv()
+    if write_kv is None:
+        pytest.skip("the CPU kernels do not build on this machine")
+    kc, vc = torch.zeros(HKV, 8, D), torch.zeros(HKV, 8, D)
+    k = v = torch.ones(2, HKV, D)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        write_kv(kc, vc, torch.tensor([3, 8]), k, v)
+    assert not kc.any() and not vc.any(), "nothing may be written when a slot is out of range"

@@ -3,6 +3,8 @@
 - latency target: while a request decodes, every step's estimated cost stays within the timer's
   budget (or is the one guaranteed minimum prefill chunk), chunks shrink as a prompt's context
   grows, and outputs are the same tokens as without the target;
+- with a longest step above the target, decode-only steps bank time for longer prefill steps,
+  none planned past the longest step, and outputs are still the same tokens;
 - without decodes the token budget alone applies (throughput);
 - admission is round-robin across client requests: a request that fans out into many sequences
   does not hold a later request back;
@@ -81,6 +83,40 @@ def test_latency_target_bounds_every_step_and_keeps_outputs(tiny_ckpt):
     sizes = [n for _, n in long_chunks[:-1]]
     assert sizes[0] > sizes[-1], f"chunks should shrink as the context grows: {sizes}"
     # Chunking is invisible in the outputs: the same greedy tokens as one big prefill.
+    assert stream == ref_stream and long == ref_long
+
+
+def test_banked_time_buys_longer_prefill_steps_within_the_max_and_keeps_outputs(tiny_ckpt):
+    ckpt = tiny_ckpt("llama")
+    ref = LLMEngine(EngineConfig(model=ckpt, max_model_len=512))
+    _, ref_stream, ref_long = _run_long_prompt_beside_a_stream(ref)
+
+    target, longest, gflops = 0.05, 0.15, 0.04  # 2 MFLOP a step on average, 6 at most
+    eng = LLMEngine(EngineConfig(model=ckpt, max_model_len=512, target_step_seconds=target,
+                                 max_step_seconds=longest))
+    _freeze(eng, gflops_per_s=gflops)
+    # A machine whose steps take what the frozen timer estimates (this tiny model's real steps
+    # take milliseconds, so wall time would never draw the bank down).
+    sched, observe = eng.scheduler, eng.scheduler.observe_step
+    sched.observe_step = lambda out, seconds: observe(out, sched.timer.seconds(out.estimated_flops,
+                                                                               out.estimated_reads))
+    plans, stream, long = _run_long_prompt_beside_a_stream(eng)
+    floor = eng.scheduler.config.min_prefill_chunk
+    banking = above_target = 0
+    prompt_done = False
+    for out, _, items in plans:
+        prefills = [(start, n) for rid, start, n in items if rid == "long" and n > 1]
+        if prompt_done or not any(rid == "stream" for rid, _, _ in items):
+            continue
+        if not prefills:  # the prompt waits while the stream decodes: a banking step
+            banking += 1
+            continue
+        prompt_done = prefills[-1][0] + prefills[-1][1] == len(LONG)
+        # Invariant: no step planned past the longest step, unless it is the one floor chunk.
+        over = out.estimated_flops > longest * gflops * 1e9 * (1 + 1e-9)
+        assert not over or prefills == [(prefills[0][0], min(floor, prefills[0][1]))], (items, out.estimated_flops)
+        above_target += out.estimated_flops > target * gflops * 1e9
+    assert banking and above_target, f"no decode-only steps ({banking}) or no longer steps ({above_target})"
     assert stream == ref_stream and long == ref_long
 
 

@@ -1,0 +1,80 @@
+"""GapBudget: how long the next step may take while streams decode, so that a stream's gaps
+between tokens average `target_seconds` and none is planned longer than `max_seconds`.
+
+Every step is a gap in every decoding stream. Holding each step to the target (max_seconds ==
+target_seconds, the old rule) gives even gaps, but each step then carries a short prefill chunk
+and pays the step's fixed cost again for it; a prompt token in a short chunk costs more than in
+a long one (demo model, Zen 3: ~2.45 ms a prompt token in 0.25 s steps of ~80 prompt tokens,
+~2.0 ms in 0.45 s steps of ~190). With max_seconds above the target the scheduler instead banks
+what cheap decode-only steps leave under the target and spends it on one longer step with a big
+prefill chunk. The mean gap is still the target; the longest planned one is max_seconds. (vLLM's
+CPU server runs the same pattern with no bound at all: a step takes every waiting prompt.)
+
+The credit counts measured step times, not estimates, so a step that ran long is paid back by
+the following ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Banking needs each decode-only step to leave at least this share of the bank under the
+# target, estimated before it and measured after it; otherwise (a decode batch that alone takes
+# about the target, or a machine slower than the timer thinks) the step is held to the target,
+# as with no bank, and the minimum prefill chunk runs. So is every step after MAX_BANKING_STEPS
+# in a row: prefill never waits longer than that.
+MIN_EARN_SHARE = 0.1
+MAX_BANKING_STEPS = 10
+
+
+@dataclass
+class GapBudget:
+    target_seconds: float
+    max_seconds: float
+    credit_seconds: float = 0.0  # banked by steps shorter than the target; negative: owed
+    watched: bool = False  # the step being planned carries decodes of interactive streams
+    banking: bool = False  # the step being planned is decodes only
+    banked_in_a_row: int = 0
+    last_earned_seconds: float = 0.0  # the target minus the last banking step's measured time
+
+    def __post_init__(self) -> None:
+        if not self.target_seconds > 0:
+            raise ValueError(f"target_seconds must be > 0, got {self.target_seconds}")
+        if not self.max_seconds >= self.target_seconds:
+            raise ValueError(f"max_seconds ({self.max_seconds}) must be >= target_seconds ({self.target_seconds})")
+
+    @property
+    def bank_seconds(self) -> float:
+        """The most credit kept: what lifts one step from the target to max_seconds."""
+        return self.max_seconds - self.target_seconds
+
+    def plan(self, watched: bool, decode_seconds: float) -> float | None:
+        """Seconds the next step may take; None: no limit (no interactive stream decodes); 0.0:
+        decodes only, the step banks its time (no prefill, not even the minimum chunk).
+        decode_seconds: the estimated time of the step's decodes alone."""
+        self.watched, self.banking = watched, False
+        if not watched:
+            self.credit_seconds, self.banked_in_a_row = 0.0, 0
+            return None
+        bank = self.bank_seconds
+        if bank <= 0:
+            return self.target_seconds
+        earn = self.target_seconds - decode_seconds
+        floor = MIN_EARN_SHARE * bank
+        if (self.credit_seconds + earn > bank  # banking once more would overflow the bank
+                or earn < floor or (self.banked_in_a_row and self.last_earned_seconds < floor)
+                or self.banked_in_a_row >= MAX_BANKING_STEPS):
+            self.banked_in_a_row = 0
+            # Spend; never less than the target, so being in debt does not starve prefill.
+            return min(self.max_seconds, self.target_seconds + max(0.0, self.credit_seconds))
+        self.banking = True
+        self.banked_in_a_row += 1
+        return 0.0
+
+    def observe(self, seconds: float) -> None:
+        """The measured time of the step just planned."""
+        if not self.watched:
+            return
+        if self.banking:
+            self.last_earned_seconds = self.target_seconds - seconds
+        bank = self.bank_seconds
+        self.credit_seconds = max(-bank, min(bank, self.credit_seconds + self.target_seconds - seconds))
