@@ -19,6 +19,8 @@ def test_closed_loop_answers_every_request_and_accounts_for_the_steps(tiny_ckpt,
     # 6 prompts of 40 tokens in chunks of at most 64 tokens: at least 4 steps computed prompt tokens.
     assert int(float(res["prefill_steps"])) >= 4, res
     assert 0 < float(res["prefill_tokens"]) <= 64, res
+    # Every step a stream decodes in is one of its gaps: the percentiles are ordered and real.
+    assert 0 < float(res["gap_p50"]) <= float(res["gap_p99"]) <= float(res["gap_max"]), res
 
 
 def test_a_staggered_first_wave_arrives_over_the_stagger(tiny_ckpt, capsys):
