@@ -5,10 +5,18 @@ Every step is a gap in every decoding stream. Holding each step to the target (m
 target_seconds, the old rule) gives even gaps, but each step then carries a short prefill chunk
 and pays the step's fixed cost again for it; a prompt token in a short chunk costs more than in
 a long one (demo model, Zen 3: ~2.45 ms a prompt token in 0.25 s steps of ~80 prompt tokens,
-~2.0 ms in 0.45 s steps of ~190). With max_seconds above the target the scheduler instead banks
-what cheap decode-only steps leave under the target and spends it on one longer step with a big
-prefill chunk. The mean gap is still the target; the longest planned one is max_seconds. (vLLM's
-CPU server runs the same pattern with no bound at all: a step takes every waiting prompt.)
+~2.0 ms in 0.45 s steps of ~190). With max_seconds above the target, time a step leaves under
+the target is kept as credit and a later step spends it on a longer prefill chunk. The mean gap
+is still the target; the longest planned one is max_seconds. (vLLM's CPU server has no bound at
+all: a step takes every waiting prompt.)
+
+Where the credit comes from: steps that ran shorter than planned or had little prefill to do
+(a prompt's last chunk, nothing waiting), and decode-only steps planned on purpose while the
+credit is low ("banking"). A step spends instead of banking when one more decode-only step
+would earn more than the bank holds. So with decode-only steps shorter than 2 x target -
+max_seconds (the demo model at the serve defaults: 55-75 ms against 0.1 s) credit comes mostly
+from short steps and banking mostly repays overruns; with dearer decodes, steps alternate
+between banking and spending.
 
 The credit counts measured step times, not estimates, so a step that ran long is paid back by
 the following ones.

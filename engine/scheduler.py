@@ -13,9 +13,9 @@ arrives in many short chunks instead of freezing every stream for one long step;
 decodes (nobody is waiting for a token) the token budget alone applies, for throughput. One
 prefill chunk of at least `min_prefill_chunk` tokens always runs, so prefill never starves.
 With `max_step_seconds` above the target (the server's default), the target is the streams'
-mean gap rather than every step's: decode-only steps bank what they leave under it and a later
-step spends it on a longer prefill chunk, up to max_step_seconds (engine/gap_budget.py); a
-banking step runs decodes only.
+mean gap rather than every step's: time steps leave under it is kept as credit and a later
+step spends it on a longer prefill chunk, up to max_step_seconds (engine/gap_budget.py); a step
+planned to bank credit runs decodes only.
 
 A request whose pages
 cannot be allocated preempts the most recently admitted running request (recompute: its
