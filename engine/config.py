@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from hybridkv.attention_backends.registry import validate_attention_backend_name
+from hybridkv.engine.gap_budget import check_step_seconds
 
 
 def resolve_device(name: str) -> torch.device:
@@ -100,12 +101,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.target_step_seconds is not None and not self.target_step_seconds > 0:
-            raise ValueError(f"target_step_seconds must be > 0 or None, got {self.target_step_seconds}")
-        if self.max_step_seconds is not None and (
-                self.target_step_seconds is None or not self.max_step_seconds >= self.target_step_seconds):
-            raise ValueError(f"max_step_seconds ({self.max_step_seconds}) needs a target_step_seconds "
-                             f"({self.target_step_seconds}) no larger than it")
+        check_step_seconds(self.target_step_seconds, self.max_step_seconds)
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if self.preemption_mode not in ("recompute", "swap"):

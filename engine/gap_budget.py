@@ -34,11 +34,19 @@ MIN_EARN_SHARE = 0.1
 MAX_BANKING_STEPS = 10
 
 
+def check_step_seconds(target: float | None, longest: float | None) -> None:
+    """The configs' check of a (target_step_seconds, max_step_seconds) pair; None = unset."""
+    if target is not None and not target > 0:
+        raise ValueError(f"target_step_seconds must be > 0 or None, got {target}")
+    if longest is not None and (target is None or not longest >= target):
+        raise ValueError(f"max_step_seconds ({longest}) needs a target_step_seconds ({target}) no larger than it")
+
+
 @dataclass
 class GapBudget:
     target_seconds: float
     max_seconds: float
-    credit_seconds: float = 0.0  # banked by steps shorter than the target; negative: owed
+    credit_seconds: float = 0.0  # left by steps shorter than the target; negative: owed
     watched: bool = False  # the step being planned carries decodes of interactive streams
     banking: bool = False  # the step being planned is decodes only
     banked_in_a_row: int = 0

@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hybridkv.block_manager.kv_cache_manager import KVCacheManager
-from hybridkv.engine.gap_budget import GapBudget
+from hybridkv.engine.gap_budget import GapBudget, check_step_seconds
 from hybridkv.engine.request import Request, RequestStatus
 from hybridkv.engine.scheduling_policy import SchedulingPolicy
 from hybridkv.engine.step_timer import StepTimer
@@ -45,18 +45,13 @@ class SchedulerConfig:
     policy: str = "fcfs"
     target_step_seconds: float | None = None  # None: the token budget alone sizes prefill chunks
     # The longest step planned while streams decode (engine/gap_budget.py); None: the target, so
-    # every step is held to it. Above it, decode-only steps bank time for fewer, longer prefill steps.
+    # every step is held to it. Above it, time steps leave under the target buys longer prefill steps.
     max_step_seconds: float | None = None
     min_prefill_chunk: int = 4  # tokens; the prefill progress every step makes at least
     preemption_mode: str = "recompute"  # "swap": a preempted request's pages go to the host tier
 
     def __post_init__(self) -> None:
-        if self.target_step_seconds is not None and not self.target_step_seconds > 0:
-            raise ValueError(f"target_step_seconds must be > 0 or None, got {self.target_step_seconds}")
-        if self.max_step_seconds is not None and (
-                self.target_step_seconds is None or not self.max_step_seconds >= self.target_step_seconds):
-            raise ValueError(f"max_step_seconds ({self.max_step_seconds}) needs a target_step_seconds "
-                             f"({self.target_step_seconds}) no larger than it")
+        check_step_seconds(self.target_step_seconds, self.max_step_seconds)
         if self.min_prefill_chunk < 1:
             raise ValueError(f"min_prefill_chunk must be >= 1, got {self.min_prefill_chunk}")
         if self.max_num_seqs < 1:
@@ -264,7 +259,7 @@ class Scheduler:
         out.estimated_reads = max(0.0, flops - n * (cost.flops_per_token + cost.flops_per_sample))  # its attention
         decode_seconds = self.timer.seconds(flops, out.estimated_reads)
         allowed = self.gaps.plan(watched, decode_seconds)
-        if allowed == 0.0:  # a banking step: decodes only
+        if self.gaps.banking:  # decodes only, not even the minimum chunk
             self._floor_used = True
         self._seconds_left = None if allowed is None else allowed - decode_seconds
 

@@ -15,8 +15,8 @@ CLI_EXCLUDED_LLM_KWARGS = frozenset({"allow_pickle_weights"})
 DEFAULT_ATTENTION_BACKEND = "auto"
 # A server's streams should not freeze behind someone's long prompt: a step's target time.
 SERVE_TARGET_STEP_SECONDS = 0.25
-# ...on average; one step may take up to this, so decode-only steps can bank time for a long
-# prefill step (engine/gap_budget.py). Under issue 9's 0.5 s bound on a stream's p99 gap.
+# ...on average; one step may take up to this, spending time earlier steps left under the
+# target on a longer prefill chunk (engine/gap_budget.py). Under issue 9's 0.5 s p99 gap bound.
 SERVE_MAX_STEP_SECONDS = 0.4
 
 
@@ -36,9 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="while requests decode, size prefill chunks so a step stays under this many seconds "
                         f"(default: off for generate, {SERVE_TARGET_STEP_SECONDS} for serve; 0 = off)")
     p.add_argument("--max-step-seconds", type=float, default=None,
-                   help="with a step target: the longest step while requests decode; above the target, "
-                        "decode-only steps bank time for fewer, longer prefill steps and the mean stays at the "
-                        f"target (default: the target for generate, {SERVE_MAX_STEP_SECONDS} for serve)")
+                   help="with a step target: the longest step while requests decode; above the target, time "
+                        "steps leave under it buys fewer, longer prefill steps and the mean stays at the target "
+                        f"(default: the target for generate, {SERVE_MAX_STEP_SECONDS} for serve)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)

@@ -49,8 +49,22 @@ def _run(backend: TorchNativeAttention):
 
 def test_switched_off_by_the_environment(fresh_loader, monkeypatch):
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
-    assert cpu_kernels.load_paged_attention() is None
+    assert cpu_kernels.load_paged_attention() is None and cpu_kernels.load_write_kv() is None
     assert TorchNativeAttention().needs_decode_tiles, "without the kernel the backend must ask for tiles"
+
+
+def test_the_backend_writes_the_same_cache_with_and_without_write_kv():
+    # The step's new rows must land in the same slots whether write_kv or index_copy_ puts them there.
+    caches = []
+    for kernels in (True, False):
+        seqs, (q, k, v, kc, vc) = _decode_step()
+        k, v = k + 1.0, v - 1.0  # new rows, different from what the slots held
+        backend = TorchNativeAttention(cpu_kernels=kernels)
+        seqs.decode_tiles = backend.needs_decode_tiles
+        backend.forward(q, k, v, kc, vc, build_attention_metadata(seqs, {"full": None}, P), "full", D**-0.5)
+        caches.append((kc, vc))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert not torch.equal(caches[1][0], _decode_step()[1][3]), "the step wrote nothing"
 
 
 def test_a_failed_build_falls_back_to_torch_with_one_warning(fresh_loader, monkeypatch, caplog):
