@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from hybridkv.attention_backends.metadata import AttentionMetadata, StepSequences, build_attention_metadata
-from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
-from hybridkv.model_executor.huge_pages import empty_on
+from hybridkv.block_manager.space_spec import SpaceSpec
+from hybridkv.model_executor.huge_pages import kv_pool_on
 from hybridkv.model_executor.layers import pack_linear_weights
 from hybridkv.model_executor.quantization import BlockQuantizedTensor, QuantizedWeightInstaller, quantized_weight_numel
 from hybridkv.model_executor.step_cost import StepCost, dense_step_cost
@@ -58,9 +58,9 @@ class CausalLM(nn.Module):
         page s // slots_per_page, the contract the host tier (HostKVCache) copies pages by.
 
         Head-major [Hkv, slots, D] per layer: a gather of any slots yields one contiguous block per
-        KV head, the layout the attention matmuls read fastest. Allocated uninitialised (a pool
-        of GiBs is not touched at startup; on huge pages on the CPU, see huge_pages.py); only the
-        null page is zeroed, because every padded or masked read of the backends points there."""
+        KV head, the layout the attention matmuls read fastest. Zeroed and touched once here, on
+        huge pages on the CPU (huge_pages.kv_pool_on: a step never pays a first-touch fault), so
+        the null page every padded or masked read of the backends points at is zero too."""
         per_space: dict[str, list[nn.Module]] = {}
         for attn in self.attention_layers():
             per_space.setdefault(attn.space, []).append(attn)
@@ -69,9 +69,7 @@ class CausalLM(nn.Module):
             space = kv.spaces[name]
             slots = space.num_physical_pages * kv.page_size
             a = attns[0]
-            cache = empty_on(device, len(attns), 2, a.num_kv_heads, slots, a.head_dim, dtype=dtype)
-            null = space.spec.slots_per_page(kv.page_size)
-            cache[:, :, :, NULL_PAGE * null : (NULL_PAGE + 1) * null].zero_()
+            cache = kv_pool_on(device, len(attns), 2, a.num_kv_heads, slots, a.head_dim, dtype=dtype)
             for i, attn in enumerate(attns):
                 attn.k_cache, attn.v_cache = cache[i, 0], cache[i, 1]
                 attn.backend = backend

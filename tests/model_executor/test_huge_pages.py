@@ -11,7 +11,7 @@ from torch import nn
 
 from hybridkv.model_executor import huge_pages
 from hybridkv.model_executor.huge_pages import (
-    HUGE_PAGE_BYTES, empty_on, huge_empty, move_parameters_to_huge_pages, on_huge_pages,
+    HUGE_PAGE_BYTES, huge_empty, kv_pool_on, move_parameters_to_huge_pages, on_huge_pages,
 )
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -95,6 +95,23 @@ def test_a_refused_or_missing_madvise_still_gives_a_working_tensor(monkeypatch):
     assert on_huge_pages(w) is w
 
 
-def test_empty_on_other_devices_is_torch_empty():
-    t = empty_on("meta", 4, 4, dtype=torch.float16)
+def test_kv_pool_on_other_devices_is_zeroed_torch_tensor():
+    t = kv_pool_on("meta", 4, 4, dtype=torch.float16)
     assert t.device.type == "meta" and t.shape == (4, 4)
+
+
+def resident_kib(t: torch.Tensor) -> int:
+    """Rss of the mapping that holds t's storage, in KiB."""
+    return int(vma_flags(t.data_ptr()).get("Rss", "0 kB").split()[0])
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_a_kv_pool_is_resident_and_zero_when_it_is_made(monkeypatch, switch):
+    """No step pays a first-touch page fault in the pool: kv_pool_on touches every page (huge or
+    small) when the engine starts, and the pool reads as zeros (the null page every padded read
+    points at must be zero)."""
+    monkeypatch.setenv(huge_pages.ENV_SWITCH, switch)
+    pool = kv_pool_on("cpu", 2, 3, 1 << 20, dtype=torch.float32)  # 24 MiB
+    assert pool.shape == (2, 3, 1 << 20) and pool.dtype == torch.float32
+    assert resident_kib(pool) * 1024 >= pool.numel() * pool.element_size(), "every page of the pool must be resident"
+    assert not pool.any(), "the pool must start zeroed"

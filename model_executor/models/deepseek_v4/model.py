@@ -18,8 +18,8 @@ from hybridkv.attention_backends.hybrid_metadata import (
 )
 from hybridkv.attention_backends.hisparse_reads import build_hisparse_step
 from hybridkv.attention_backends.metadata import StepSequences
-from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
-from hybridkv.model_executor.huge_pages import empty_on
+from hybridkv.block_manager.space_spec import SpaceSpec
+from hybridkv.model_executor.huge_pages import kv_pool_on
 from hybridkv.model_executor.models.base import CausalLM
 from hybridkv.model_executor.models.deepseek_v4.attention import (
     CompressorCache, V4Attention, V4LayerCache, hybrid_backend,
@@ -135,18 +135,17 @@ class DeepseekV4ForCausalLM(CausalLM):
     ) -> dict[str, list[torch.Tensor]]:
         """Allocate every space's tensors and bind each layer's views. V4's layers use their own
         hybrid backend (HybridV4Attention, or its Triton kernels when `backend` is the Triton
-        one: hybrid_backend), not `backend` itself (None is fine). Uninitialised except the
-        null page: every masked or padded read of the hybrid metadata points at its slot 0.
+        one: hybrid_backend), not `backend` itself (None is fine). Zeroed and touched once here
+        (huge_pages.kv_pool_on), so the null page every masked or padded read of the hybrid
+        metadata points at (its slot 0) is zero.
         Returns every tensor of each space (swa; c4/c128 and indexer per layer; state_c4 / state_c128 x2 per
         compressor), slots on dim -2: a page copy to the host tier must cover all of them."""
         P = kv.page_size
         slots = {name: s.num_physical_pages * s.spec.slots_per_page(P) for name, s in kv.spaces.items()}
-        null = {name: s.spec.slots_per_page(P) for name, s in kv.spaces.items()}
         caches: dict[str, list[torch.Tensor]] = {name: [] for name in kv.spaces}
 
         def pool(space: str, *shape: int, dtype: torch.dtype) -> torch.Tensor:
-            t = empty_on(device, *shape, dtype=dtype)  # huge pages on the CPU: decode streams these
-            t.narrow(-2, NULL_PAGE * null[space], null[space]).zero_()
+            t = kv_pool_on(device, *shape, dtype=dtype)  # huge pages on the CPU: decode streams these
             caches[space].append(t)
             return t
 
