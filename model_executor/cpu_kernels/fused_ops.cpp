@@ -34,6 +34,8 @@ using hybridkv_cpu::kLanes;
 using hybridkv_cpu::vfloat;
 using hybridkv_cpu::load_vec;
 using hybridkv_cpu::to_float;
+using hybridkv_cpu::round_vec;
+using hybridkv_cpu::store_vec;
 
 // ---- skinny_linear -------------------------------------------------------------------------
 
@@ -249,19 +251,34 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 namespace {
 template <typename scalar_t>
 void silu_and_mul_rows(const scalar_t* g, scalar_t* o, int64_t T, int64_t I) {
+  // Tiles of kTile columns: widened to float with vector loads, the sigmoid in a float loop that
+  // vectorizes, rounded and stored with vector stores (round_vec / store_vec, cpu_math.h): a
+  // scalar c10::BFloat16 conversion in the loop kept it scalar, 7.7 ms for 1,024 x 1,536 on the
+  // Intel VM against ~0.8 ms in float32.
+  constexpr int64_t kTile = 16 * kLanes;
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    alignas(64) float gate[kTile], silu[kTile];
     for (int64_t t = t0; t < t1; ++t) {
       const scalar_t* gr = g + t * 2 * I;
       const scalar_t* ur = gr + I;
       scalar_t* orow = o + t * I;
+      for (int64_t i0 = 0; i0 < I; i0 += kTile) {
+        const int64_t n = std::min(kTile, I - i0);
+        const int64_t nv = n / kLanes * kLanes;
+        for (int64_t i = 0; i < nv; i += kLanes) store_vec(gate + i, load_vec(gr + i0 + i));
+        for (int64_t i = nv; i < n; ++i) gate[i] = to_float(gr[i0 + i]);
 #pragma omp simd
-      for (int64_t i = 0; i < I; ++i) {
-        // sigmoid from exp(-|x|) <= 1, so it never overflows: 1/(1+e) for x >= 0, e/(1+e) below
-        const float x = to_float(gr[i]);
-        const float e = hybridkv_cpu::exp_nonpositive(-std::fabs(x));
-        const float sigmoid = (x >= 0.f ? 1.f : e) / (1.f + e);
+        for (int64_t i = 0; i < n; ++i) {
+          // sigmoid from exp(-|x|) <= 1, so it never overflows: 1/(1+e) for x >= 0, e/(1+e) below
+          const float x = gate[i];
+          const float e = hybridkv_cpu::exp_nonpositive(-std::fabs(x));
+          silu[i] = x * ((x >= 0.f ? 1.f : e) / (1.f + e));
+        }
         // silu rounded to the dtype, then the product: torch's silu(gate) * up
-        orow[i] = static_cast<scalar_t>(round_to<scalar_t>(x * sigmoid) * to_float(ur[i]));
+        for (int64_t i = 0; i < nv; i += kLanes)
+          store_vec(orow + i0 + i, round_vec<scalar_t>(load_vec(silu + i)) * load_vec(ur + i0 + i));
+        for (int64_t i = nv; i < n; ++i)
+          orow[i0 + i] = static_cast<scalar_t>(round_to<scalar_t>(silu[i]) * to_float(ur[i0 + i]));
       }
     }
   });

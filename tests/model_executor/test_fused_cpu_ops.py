@@ -115,10 +115,11 @@ def test_silu_and_mul_mlp_equals_the_torch_path(rows, monkeypatch):
 
 
 @needs_ops
-def test_silu_and_mul_in_bfloat16_rounds_like_torch():
+@pytest.mark.parametrize("width", [96, 300, 1536])  # whole vectors; a tail of 12 after 18 vectors of 16; 6 tiles
+def test_silu_and_mul_in_bfloat16_rounds_like_torch(width):
     g = _gen(6)
-    gate_up = (torch.randn(5, 2 * 96, generator=g) * 4).bfloat16()
-    gate, up = gate_up.split(96, dim=-1)
+    gate_up = (torch.randn(5, 2 * width, generator=g) * 4).bfloat16()
+    gate, up = gate_up.split(width, dim=-1)
     ref = F.silu(gate) * up
     out = ops.silu_and_mul(gate_up)
     assert out.dtype == torch.bfloat16
@@ -126,6 +127,19 @@ def test_silu_and_mul_in_bfloat16_rounds_like_torch():
     # of silu and of the product, at most one bf16 step apart
     torch.testing.assert_close(out.float(), ref.float(), rtol=1.6e-2, atol=1e-6)
     assert (out == ref).float().mean() > 0.95
+
+
+@needs_ops
+def test_silu_and_mul_in_bfloat16_keeps_nan_and_infinities():
+    """The vector bf16 rounding (cpu_math.h to_bf16_bits) must not turn a NaN into an infinity or
+    a large finite value into NaN; torch gives NaN, +-inf and 0 here."""
+    gate = torch.tensor([float("nan"), float("inf"), float("-inf"), 3.0e38, 1.0] * 8).bfloat16()
+    up = torch.tensor([1.0, 1.0, 1.0, 2.0, float("nan")] * 8).bfloat16()
+    out = ops.silu_and_mul(torch.cat([gate, up])[None])
+    ref = F.silu(gate) * up
+    assert torch.equal(out[0].isnan(), ref.isnan()), "NaN lanes must stay NaN and only those"
+    finite = ~ref.isnan()
+    assert torch.equal(out[0][finite], ref[finite])
 
 
 @needs_ops
