@@ -75,6 +75,44 @@ inline float hsum(vfloat v) {
   return s;
 }
 
+// The sums of kLanes vectors at once: lane i of the result is the sum of acc[i]'s lanes. A
+// transposing tree of shuffles and adds (log2(kLanes) levels, kLanes - 1 adds of whole vectors)
+// instead of kLanes scalar horizontal sums: at level s every pair (acc[i], acc[i + n/2]) becomes
+// one vector holding both halves' partial sums side by side, and pairing i with i + n/2 leaves the
+// final lanes in natural order. acc is overwritten. (GCC's __builtin_shuffle: the masks are
+// constants after inlining, so each shuffle is one permute instruction.)
+namespace detail {
+template <int S>  // group size before the split; lo picks each group's first half, hi its second
+inline vuint split_mask(bool hi) {
+  vuint m;
+  for (int j = 0; j < kLanes; ++j) {
+    const int half = S / 2, og = j / half, within = j % half;
+    const int lane = (og / 2) * S + (hi ? half : 0) + within;
+    m[j] = (og % 2 ? kLanes : 0) + lane;
+  }
+  return m;
+}
+template <int S>
+inline void combine_level(vfloat* acc, int n) {
+  const vuint lo = split_mask<S>(false), hi = split_mask<S>(true);
+  for (int i = 0; i < n / 2; ++i)
+    acc[i] = __builtin_shuffle(acc[i], acc[i + n / 2], lo) + __builtin_shuffle(acc[i], acc[i + n / 2], hi);
+}
+}  // namespace detail
+inline vfloat hsum_each(vfloat* acc) {
+  if constexpr (kLanes == 16) {
+    detail::combine_level<16>(acc, 16);
+    detail::combine_level<8>(acc, 8);
+    detail::combine_level<4>(acc, 4);
+    detail::combine_level<2>(acc, 2);
+  } else {
+    detail::combine_level<8>(acc, 8);
+    detail::combine_level<4>(acc, 4);
+    detail::combine_level<2>(acc, 2);
+  }
+  return acc[0];
+}
+
 // exp(x) for x <= 0 (scores minus their row maximum), in plain arithmetic so that the loop over
 // a row vectorizes: Cephes' expf (range reduction to [-ln2/2, ln2/2], degree-5 polynomial, 2^n
 // from the exponent bits), relative error ~1e-7 like libm's; x = -inf (a masked key) gives 0.

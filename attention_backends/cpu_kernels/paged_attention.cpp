@@ -53,27 +53,32 @@ inline void axpy(float* __restrict__ acc, float p, const scalar_t* __restrict__ 
 
 // ---- vectorized block loops (head sizes that are a multiple of the vector width) ----------
 using hybridkv_cpu::hsum;
+using hybridkv_cpu::hsum_each;
 using hybridkv_cpu::kLanes;
 using hybridkv_cpu::load_vec;
 using hybridkv_cpu::vfloat;
 
-// scores[t] = q . key[t] for t in [lo, hi): eight keys at a time, eight independent accumulator
-// chains (one dot per key would be a chain of D / kLanes dependent FMAs).
+// scores[t] = q . key[t] for t in [lo, hi): kLanes keys at a time, one accumulator chain per key
+// (one chain per dot would be D / kLanes dependent FMAs), their kLanes sums taken together by
+// hsum_each's shuffle tree and stored as one vector. Summing each key's lanes one by one instead
+// made a decode step of 32 sequences compute-bound on the horizontal sums: 0.69 ms (float32) and
+// 0.81 ms (bfloat16) a layer for 190 keys each on the Intel VM.
 template <int NC, typename scalar_t>
 void block_scores(const float* q, const scalar_t* const* keys, float* scores, int64_t lo, int64_t hi) {
   vfloat qv[NC];
   for (int c = 0; c < NC; ++c) qv[c] = load_vec(q + c * kLanes);
   int64_t t = lo;
-  for (; t + 8 <= hi; t += 8) {
-    vfloat acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = vfloat{};
-    for (int c = 0; c < NC; ++c)
-      for (int i = 0; i < 8; ++i) acc[i] += qv[c] * load_vec(keys[t + i] + c * kLanes);
-    for (int i = 0; i < 8; ++i) scores[t + i] = hsum(acc[i]);
+  for (; t + kLanes <= hi; t += kLanes) {
+    vfloat acc[kLanes];
+    for (int i = 0; i < kLanes; ++i) acc[i] = qv[0] * load_vec(keys[t + i]);
+    for (int c = 1; c < NC; ++c)
+      for (int i = 0; i < kLanes; ++i) acc[i] += qv[c] * load_vec(keys[t + i] + c * kLanes);
+    const vfloat sums = hsum_each(acc);
+    std::memcpy(scores + t, &sums, sizeof(sums));
   }
   for (; t < hi; ++t) {
-    vfloat acc = vfloat{};
-    for (int c = 0; c < NC; ++c) acc += qv[c] * load_vec(keys[t] + c * kLanes);
+    vfloat acc = qv[0] * load_vec(keys[t]);
+    for (int c = 1; c < NC; ++c) acc += qv[c] * load_vec(keys[t] + c * kLanes);
     scores[t] = hsum(acc);
   }
 }
