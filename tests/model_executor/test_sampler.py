@@ -510,3 +510,21 @@ def test_batch_with_mismatched_lengths_is_rejected():
         SamplingBatch(params=[SamplingParams()], generators=[], prompt_token_ids=[[]], output_token_ids=[[]])
     with pytest.raises(ValueError):
         new_sampler()(torch.randn(2, VOCAB), make_batch([SamplingParams()]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_picks_argmax_first_on_ties_in_the_logits_own_dtype(dtype):
+    """Greedy without logprobs reads the logits in their own dtype (no float32 copy) through
+    max(dim).indices: the same token as argmax of the float32 logits, the first one on ties and
+    on NaN rows."""
+    g = seeded(3)
+    logits = torch.randint(0, 4, (64, 1000), generator=g).to(dtype)  # many ties per row
+    logits[5] = float("nan")
+    logits[6, 17] = float("nan")
+    expected = logits.float().argmax(dim=-1)
+    assert torch.equal(sampler_mod.greedy_tokens(logits), expected)
+    params = [SamplingParams(temperature=0.0, max_tokens=1)] * len(logits)
+    out = new_sampler()(logits, make_batch(params))
+    assert out.token_ids == expected.tolist() and out.sampled_logprobs is None
+    with_logprobs = new_sampler()(logits, make_batch([SamplingParams(temperature=0.0, max_tokens=1, logprobs=1)] * len(logits)))
+    assert with_logprobs.token_ids == expected.tolist(), "the logprobs path must pick the same tokens"
