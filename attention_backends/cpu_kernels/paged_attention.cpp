@@ -202,8 +202,9 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         // Online softmax: rescale what the earlier blocks summed when the row's maximum grows.
         for (int64_t row = 0; row < nr; ++row) {
           float* s = scores + row * kBlock;
-          float bm = neg_inf;
-          for (int64_t i = 0; i < bl; ++i) bm = std::max(bm, s[i]);
+          float bm = neg_inf;  // a vector max: as a scalar chain it was 11% of the kernel (perf)
+#pragma omp simd reduction(max : bm)
+          for (int64_t i = 0; i < bl; ++i) bm = s[i] > bm ? s[i] : bm;
           if (bm == neg_inf) continue;  // no key of this block is visible to the row
           const float new_m = std::max(m[row], bm);
           const float alpha = exp_nonpositive(m[row] - new_m);  // 0 for the first block (m = -inf)
