@@ -92,7 +92,8 @@ class TorchNativeAttention:
         """The step's K/V rows into their slots: the C++ copy when it applies (CPU tensors, rows
         contiguous per head), else index_copy_ (its reference)."""
         if (self._write_kv is not None and k.is_cpu and k_cache.is_cpu and slots.dtype == torch.int64
-                and k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1):
+                and slots.is_contiguous() and k.stride(-1) == 1 and v.stride(-1) == 1
+                and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1):
             self._write_kv(k_cache, v_cache, slots, k, v)
             return
         k_cache.index_copy_(1, slots, k.transpose(0, 1))

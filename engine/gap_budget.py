@@ -53,10 +53,7 @@ class GapBudget:
     last_earned_seconds: float = 0.0  # the target minus the last banking step's measured time
 
     def __post_init__(self) -> None:
-        if not self.target_seconds > 0:
-            raise ValueError(f"target_seconds must be > 0, got {self.target_seconds}")
-        if not self.max_seconds >= self.target_seconds:
-            raise ValueError(f"max_seconds ({self.max_seconds}) must be >= target_seconds ({self.target_seconds})")
+        check_step_seconds(self.target_seconds, self.max_seconds)  # the configs' own check
 
     @property
     def bank_seconds(self) -> float:

@@ -90,7 +90,7 @@ def test_debt_is_paid_back_by_banking_and_spending_never_drops_below_the_target(
 
 
 def test_bad_bounds_are_refused():
-    with pytest.raises(ValueError, match="max_seconds"):
+    with pytest.raises(ValueError, match="max_step_seconds"):
         GapBudget(0.25, 0.2)
-    with pytest.raises(ValueError, match="target_seconds"):
+    with pytest.raises(ValueError, match="target_step_seconds must be > 0"):
         GapBudget(0.0, 0.2)
