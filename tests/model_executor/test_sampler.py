@@ -528,3 +528,40 @@ def test_greedy_picks_argmax_first_on_ties_in_the_logits_own_dtype(dtype):
     assert out.token_ids == expected.tolist() and out.sampled_logprobs is None
     with_logprobs = new_sampler()(logits, make_batch([SamplingParams(temperature=0.0, max_tokens=1, logprobs=1)] * len(logits)))
     assert with_logprobs.token_ids == expected.tolist(), "the logprobs path must pick the same tokens"
+
+
+# -- the inverse-CDF draw behind random rows --------------------------------------------------------
+def test_inverse_cdf_picks_the_token_whose_probability_interval_holds_u():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.25, 0.25, 0.0]])
+    expected = {0.0: 1, 0.49: 1, 0.5: 3, 0.74: 3, 0.75: 4, 0.999: 4}
+    for u, token in expected.items():
+        got = sampler_mod._inverse_cdf(probs, torch.tensor([u], dtype=torch.float64)).item()
+        assert got == token, f"u={u}: token {got}, expected {token} (zero-probability tokens never win)"
+
+
+def test_inverse_cdf_never_returns_index_vocab_even_when_u_times_sum_rounds_up():
+    # u = 1 stands in for u * sum rounding up to sum; trailing zero-probability tokens must be skipped.
+    probs = torch.tensor([[0.3, 0.7, 0.0, 0.0], [float("nan")] * 4])
+    got = sampler_mod._inverse_cdf(probs, torch.tensor([1.0, 0.5], dtype=torch.float64)).tolist()
+    assert got[0] == 1, "past the end: the last token with probability > 0"
+    assert 0 <= got[1] < 4, "a NaN row still yields an index inside the vocabulary"
+
+
+def test_inverse_cdf_keeps_a_tiny_token_at_the_end_of_a_large_vocabulary():
+    # Near 1 a float32 running sum moves in steps of 6e-8: it would round a 1e-8 token away
+    # (never drawn); the float64 sum keeps its interval.
+    vocab = 150_000
+    probs = torch.full((1, vocab), (1 - 1e-8) / (vocab - 1))
+    probs[0, -1] = 1e-8
+    total = probs.double().sum().item()
+    u = torch.tensor([1 - 0.5e-8 / total], dtype=torch.float64)
+    assert sampler_mod._inverse_cdf(probs, u).item() == vocab - 1
+
+
+def test_random_rows_draw_in_row_chunks_like_all_at_once(monkeypatch):
+    torch.manual_seed(3)
+    probs = torch.randn(7, 50).softmax(-1)
+    u = torch.rand(7, dtype=torch.float64)
+    whole = sampler_mod._inverse_cdf(probs, u)
+    monkeypatch.setattr(sampler_mod, "INVERSE_CDF_ROWS", 2)
+    assert torch.equal(sampler_mod._inverse_cdf(probs, u), whole)
