@@ -240,6 +240,20 @@ class AttentionMetadata:
         rows = torch.arange(nd + 1, dtype=torch.int32)
         return rows, rows[:nd], (self.context_lens[:nd] - 1).to(torch.int32)
 
+    @cached_property
+    def prefill_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prefill chunks as query groups for the CPU prefill kernel (cpu_kernels), rows
+        counted from the first prefill row (num_decode_tokens): group_start [P + 1], block-table
+        row [P], position of every prefill row [num_tokens - num_decode_tokens], int32. Built once
+        per step, on first use by any layer."""
+        nd = self.num_decode_tokens
+        starts = self.query_start_loc[nd:] - nd
+        lens = starts[1:] - starts[:-1]
+        first = self.context_lens[nd:] - lens  # position of each chunk's first query
+        offsets = torch.arange(self.num_tokens - nd, dtype=torch.int32) - torch.repeat_interleave(starts[:-1], lens)
+        positions = (torch.repeat_interleave(first, lens) + offsets).to(torch.int32)
+        return starts.contiguous(), torch.arange(nd, nd + lens.numel(), dtype=torch.int32), positions
+
     def slot_mappings(self) -> dict[str, torch.Tensor]:
         """Space -> every slot this step writes (the runner's null-page debug check reads it)."""
         return {name: sm.slot_mapping for name, sm in self.spaces.items()}

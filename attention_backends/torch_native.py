@@ -19,7 +19,13 @@ never by batch x longest context:
     (split-KV); the partial results are merged with a log-sum-exp merge into per-sequence accumulators. A short
     decode batch is one tile and one plain softmax (the fast path). (On CPU this beats
     scaled_dot_product_attention for one query token, which in bfloat16 takes a slow path.)
-  * Prefill: a chunk that starts at position 0 and whose window does not bite runs as one SDPA
+  * Prefill on the CPU (float32; bfloat16 where the CPU lacks bf16 dot products): the C++
+    prefill kernel (cpu_kernels/prefill_attention.cpp) takes every prefill chunk of the step in
+    one call, reading K/V in place through the block table, blocked like a GEMM (query tiles x
+    64-key blocks, online softmax). Intel AMX VM, float32, a 1,024-token causal prompt with the
+    demo model's heads: 213 GFLOP/s against SDPA's 130; workload c 1.23 -> 1.06 s. Elsewhere
+    (no compiler, other dtypes or head sizes, another device) the torch path:
+  * Prefill in torch: a chunk that starts at position 0 and whose window does not bite runs as one SDPA
     is_causal call on its own K/V. Otherwise it is cut into query tiles of
     TileSizes.prefill_q_tile queries; each tile reads its keys in blocks (at most _key_chunk
     keys gathered at once) through the CPU flash-attention kernel, which returns each block's
@@ -32,10 +38,12 @@ never by batch x longest context:
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from hybridkv.attention_backends.cpu_kernels import load_paged_attention, load_write_kv
+from hybridkv.attention_backends.cpu_kernels import load_paged_attention, load_prefill_attention, load_write_kv
 from hybridkv.attention_backends.metadata import AttentionMetadata, DecodeTile, PrefillSeq, TileSizes
 from hybridkv.block_manager.space_spec import window_start
 
@@ -54,6 +62,7 @@ class TorchNativeAttention:
         compiler: the torch path over the metadata's decode tiles."""
         on_cpu = torch.device(device).type == "cpu"
         self._paged = load_paged_attention() if cpu_kernels and on_cpu else None
+        self._prefill_kernel = load_prefill_attention() if cpu_kernels and on_cpu else None
         self._write_kv = load_write_kv() if cpu_kernels and on_cpu else None
 
     @property
@@ -83,9 +92,26 @@ class TorchNativeAttention:
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decodes(q[:nd], k_cache, v_cache, meta, sm, scale)
+        if self._prefill_kernel_takes(q, k_cache):
+            starts, rows, positions = meta.prefill_groups
+            window = -1 if sm.window is None else sm.window
+            table = sm.block_table if sm.block_table.dtype == torch.int32 else sm.block_table.to(torch.int32)
+            out[nd:] = self._prefill_kernel(q[nd:].contiguous(), k_cache, v_cache, table, starts, rows, positions,
+                                            meta.page_size, window, scale)
+            return out
         for p in sm.prefills:
             out[p.query_start : p.query_end] = self._prefill(q, k, v, k_cache, v_cache, p, sm.window, scale, meta.tiles)
         return out
+
+    def _prefill_kernel_takes(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether the step's prefills go to the C++ prefill kernel: CPU tensors in float32, or
+        in bfloat16 where the CPU has no bf16 dot products (the kernel computes in float32; where
+        oneDNN has them, SDPA's bf16 flash attention is faster: workload c 0.34 vs 0.44 s on the
+        AMX VM), a head size of whole vectors (16 floats covers both ISAs), cache rows
+        contiguous; else the SDPA / tile path below."""
+        return (self._prefill_kernel is not None and q.is_cpu and k_cache.is_cpu and q.dtype == k_cache.dtype
+                and q.shape[-1] % 16 == 0 and k_cache.stride(-1) == 1
+                and (q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not _native_bf16_matmuls())))
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                slots: torch.Tensor) -> None:
@@ -174,6 +200,13 @@ class TorchNativeAttention:
                 _key_chunk(b - a, sizes), sizes.min_view_keys,
             )
         return out
+
+
+@functools.lru_cache(maxsize=1)
+def _native_bf16_matmuls() -> bool:
+    """Whether this CPU has bf16 dot products (AVX512-BF16 or AMX), as torch itself probes it."""
+    probes = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
+    return any(bool(probe()) for probe in probes if probe is not None)
 
 
 def _key_chunk(queries: int, sizes: TileSizes) -> int:

@@ -30,7 +30,7 @@ import torch
 from hybridkv.attention_backends.cpu_kernels.build import ENV_SWITCH, build_cpu_extension, kernels_enabled
 
 __all__ = ["ENV_SWITCH", "build_cpu_extension", "kernels_enabled", "load_indexer_topk", "load_joint_attention",
-           "load_paged_attention", "load_paged_attention_module", "load_write_kv"]
+           "load_paged_attention", "load_paged_attention_module", "load_prefill_attention", "load_write_kv"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -71,3 +71,14 @@ def load_joint_attention() -> Callable[..., torch.Tensor] | None:
     module = build_cpu_extension("hybridkv_joint_attention", Path(__file__).with_name("joint_attention.cpp"),
                                  ["joint_attention"], "CPU joint-attention kernel")
     return None if module is None else module.joint_attention
+
+
+@functools.lru_cache(maxsize=1)
+def load_prefill_attention() -> Callable[..., torch.Tensor] | None:
+    """The compiled `prefill_attention(q, k_cache, v_cache, block_table, group_start, group_row,
+    positions, page_size, window, scale) -> out` (paged_attention's call, for long query groups;
+    float32 / bfloat16, head size a multiple of the vector width), or None when it cannot be built
+    here."""
+    module = build_cpu_extension("hybridkv_prefill_attention", Path(__file__).with_name("prefill_attention.cpp"),
+                                 ["prefill_attention"], "CPU prefill-attention kernel")
+    return None if module is None else module.prefill_attention

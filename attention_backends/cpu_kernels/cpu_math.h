@@ -21,6 +21,11 @@ typedef float vfloat __attribute__((vector_size(kLanes * 4)));
 typedef uint16_t vhalf __attribute__((vector_size(kLanes * 2)));
 typedef uint32_t vuint __attribute__((vector_size(kLanes * 4)));
 
+// x in every lane. Written x - 0, not 0 + x: 0 + (-0) is +0, so the compiler must emit that add
+// (a scalar vaddss before each broadcast in a GEMM loop), while x - 0 is x for every x and
+// folds to a bare broadcast.
+inline vfloat splat(float x) { return x - vfloat{}; }
+
 inline vfloat load_vec(const float* p) {  // unaligned
   vfloat v;
   std::memcpy(&v, p, sizeof(v));

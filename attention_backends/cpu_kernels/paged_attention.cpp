@@ -90,7 +90,7 @@ void block_values(float* acc, const float* p, const scalar_t* const* values, int
   for (int c = 0; c < NC; ++c) a[c] = load_vec(acc + c * kLanes);
   for (int64_t t = lo; t < hi; ++t) {
     if (!(p[t] > 0.f)) continue;  // a masked key (or one that underflowed) adds nothing
-    const vfloat pv = vfloat{} + p[t];
+    const vfloat pv = hybridkv_cpu::splat(p[t]);
     for (int c = 0; c < NC; ++c) a[c] += pv * load_vec(values[t] + c * kLanes);
   }
   for (int c = 0; c < NC; ++c) std::memcpy(acc + c * kLanes, &a[c], sizeof(vfloat));

@@ -19,6 +19,8 @@ None of these terms depends on the context length; the dense gather this replace
 ([Hkv, B, longest, D] for K alone) would be 272 MB at 32k. The CPU paged kernel (cpu_kernels/),
 which reads K/V in place, needs less: per thread, (queries x query heads per KV head) x (256-key
 score block + 2 x D + 2) float32 of scratch, allocated through torch so the profiler counts it.
+So does the CPU prefill kernel (rows = at most 96 query rows of a tile, padded to whole vectors:
+2 x rows x D + 64 x (rows + D) + 3 x rows floats per thread).
 """
 from __future__ import annotations
 
@@ -79,7 +81,7 @@ def _step(long_len: int):
     k_cache[:, :P] = 0  # the null page
     v_cache[:, :P] = 0
     ctx = [s + n for s, n in spans]
-    tables = {"full": table.rows(torch.tensor(rows), -(-max(ctx) // P)).long()}  # as the runner selects them
+    tables = {"full": table.rows(torch.tensor(rows), -(-max(ctx) // P))}  # int32, as the runner selects them
     seqs = StepSequences([n for _, n in spans], ctx, tables)
     T = sum(n for _, n in spans)
     q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, HKV, HKV))

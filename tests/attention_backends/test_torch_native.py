@@ -264,3 +264,132 @@ def test_cpu_paged_kernel_groups_of_consecutive_queries_are_causal(window, D):
         v = v_cache[:, slots].repeat_interleave(H // HKV, 0)
         want.append(torch.einsum("hl,hld->hd", (torch.einsum("hd,hld->hl", q[i], k) * D**-0.5).softmax(-1), v))
     torch.testing.assert_close(got, torch.stack(want), atol=1e-5, rtol=1e-5)
+
+
+def _prefill_kernel_case(spans, window, dtype, d, grp, hkv=2, page=16, seed=0):
+    """Caches with the keys of each (start, n) chunk and its visible prefix written on random pages
+    (the rest of the pool NaN), the kernel's group tensors, and attention from the definition
+    (float64) for every query row."""
+    g = torch.Generator().manual_seed(seed)
+    pool = 1 + sum(-(-(s + n) // page) for s, n in spans)
+    k_cache = torch.full((hkv, (pool + 1) * page, d), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    perm = (torch.randperm(pool, generator=g) + 1).tolist()
+    h = hkv * grp
+    tables, want, starts, positions = [], [], [0], []
+    q = torch.randn(sum(n for _, n in spans), h, d, generator=g).to(dtype)
+    row = 0
+    for start, n in spans:
+        end = start + n
+        pages = [perm.pop() for _ in range(-(-end // page))]
+        keys = torch.randn(end, hkv, d, generator=g).to(dtype)
+        vals = torch.randn(end, hkv, d, generator=g).to(dtype)
+        for t in range(window_start(start, window), end):
+            slot = pages[t // page] * page + t % page
+            k_cache[:, slot], v_cache[:, slot] = keys[t], vals[t]
+        for t in range(start, end):
+            lo = window_start(t, window)
+            k = keys[lo : t + 1].double().repeat_interleave(grp, dim=1)
+            v = vals[lo : t + 1].double().repeat_interleave(grp, dim=1)
+            p = torch.softmax(torch.einsum("hd,lhd->hl", q[row].double(), k) * d**-0.5, dim=-1)
+            want.append(torch.einsum("hl,lhd->hd", p, v))
+            positions.append(t)
+            row += 1
+        tables.append(pages)
+        starts.append(row)
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [NULL_PAGE] * (width - len(t)) for t in tables], dtype=torch.int32)
+    args = (q, k_cache, v_cache, table, torch.tensor(starts, dtype=torch.int32),
+            torch.arange(len(spans), dtype=torch.int32), torch.tensor(positions, dtype=torch.int32), page,
+            -1 if window is None else window, d**-0.5)
+    return args, torch.stack(want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5, 70])
+@pytest.mark.parametrize("d, grp", [(16, 1), (64, 3), (128, 4)])
+def test_cpu_prefill_kernel_matches_attention_from_the_definition(dtype, window, d, grp):
+    """The C++ prefill kernel, several chunks in one call: from position 0 (1, 7 and 300 queries:
+    within one query tile, over several tiles and 64-key blocks), and after a cached prefix (a
+    short chunk late in a long context, a long one after a short prefix). Each row sees the keys
+    up to its own position inside its window and nothing else: unwritten slots and pages outside
+    the chunks are NaN, so a stray read poisons the output."""
+    from hybridkv.attention_backends.cpu_kernels import load_prefill_attention
+
+    kernel = load_prefill_attention()
+    assert kernel is not None, "the CPU prefill kernel did not build on this machine"
+    spans = [(0, 1), (0, 7), (0, 300), (1000, 37), (50, 200)]
+    args, want = _prefill_kernel_case(spans, window, dtype, d, grp)
+    got = kernel(*args)
+    assert not got.float().isnan().any(), "the kernel read a key outside a row's causal window"
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+def test_cpu_prefill_kernel_output_does_not_depend_on_the_thread_count():
+    """Work items go to threads largest first from a shared counter: the split may differ from
+    run to run, the result may not (each item owns its rows)."""
+    from hybridkv.attention_backends.cpu_kernels import load_prefill_attention
+
+    kernel = load_prefill_attention()
+    args, _ = _prefill_kernel_case([(0, 500), (200, 64)], None, torch.float32, 64, 3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(*args)
+        torch.set_num_threads(max(2, threads))
+        assert torch.equal(kernel(*args), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 40])
+def test_prefills_through_the_cpu_kernel_match_the_sdpa_path_in_a_mixed_step(dtype, window, monkeypatch):
+    """A step of decodes and prefill chunks (from 0, after a prefix) with the engine's shapes (head
+    size 64, 3 query heads per KV head): the backend sends the prefills to the C++ kernel, and
+    the result equals the SDPA / tile path's (cpu_kernels=False). bfloat16 goes to the kernel
+    only on CPUs without bf16 dot products; the test poses as one."""
+    from hybridkv.attention_backends import torch_native
+
+    monkeypatch.setattr(torch_native, "_native_bf16_matmuls", lambda: False)
+    g = torch.Generator().manual_seed(3)
+    page, hkv, grp, d = 16, 2, 3, 64
+    spans = [(40, 1), (130, 1), (0, 90), (64, 33), (300, 120)]
+    pool = 1 + sum(-(-(s + n) // page) for s, n in spans)
+    k_cache = torch.randn(hkv, (pool + 1) * page, d, generator=g).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    perm = (torch.randperm(pool, generator=g) + 1).tolist()
+    tables = [[perm.pop() for _ in range(-(-(s + n) // page))] for s, n in spans]
+    T = sum(n for _, n in spans)
+    q = torch.randn(T, hkv * grp, d, generator=g).to(dtype)
+    k = torch.randn(T, hkv, d, generator=g).to(dtype)
+    v = torch.randn(T, hkv, d, generator=g).to(dtype)
+    outs = {}
+    for name, kernels in (("kernel", True), ("torch", False)):
+        be = TorchNativeAttention(cpu_kernels=kernels)
+        assert (be._prefill_kernel is not None) == kernels, "the CPU prefill kernel did not build on this machine"
+        seqs = StepSequences.from_page_lists([n for _, n in spans], [s + n for s, n in spans], {"full": tables})
+        seqs.decode_tiles = be.needs_decode_tiles
+        meta = build_attention_metadata(seqs, {"full": window}, page)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        calls = []
+        if kernels:
+            kernel = be._prefill_kernel
+            be._prefill_kernel = lambda *a: calls.append(1) or kernel(*a)
+        outs[name] = be.forward(q, k, v, kc, vc, meta, "full", d**-0.5)
+        assert len(calls) == kernels, "the prefills did not go to the C++ kernel exactly once for the step"
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs["kernel"].float(), outs["torch"].float(), atol=tol, rtol=tol)
+
+
+def test_bfloat16_prefills_stay_on_sdpa_where_the_cpu_has_bf16_dot_products(monkeypatch):
+    from hybridkv.attention_backends import torch_native
+
+    be = TorchNativeAttention()
+    q, kc = torch.zeros(4, 6, 64, dtype=torch.bfloat16), torch.zeros(2, 32, 64, dtype=torch.bfloat16)
+    for native in (True, False):
+        monkeypatch.setattr(torch_native, "_native_bf16_matmuls", lambda: native)
+        assert be._prefill_kernel_takes(q, kc) == (not native)
+        assert be._prefill_kernel_takes(q.float(), kc.float()), "float32 always takes the kernel"
+    assert not be._prefill_kernel_takes(torch.zeros(4, 6, 8), torch.zeros(2, 32, 8)), "head size 8 is not whole vectors"

@@ -1,0 +1,306 @@
+// Prefill attention on the CPU: long query groups, K/V read in place through the block table,
+// blocked like a GEMM.
+//
+// Same call as paged_attention.cpp (groups of query rows at consecutive positions, one block-table
+// row each, causal and optionally windowed), for the other regime: a prompt chunk of tens to
+// thousands of queries. The decode kernel takes one query row at a time against kLanes keys and
+// sums each key's lanes; here a *work item* is (group, KV head, tile of query positions) and every
+// key block is a small matrix product against all the tile's rows at once:
+//
+//   rows   = the tile's query positions x the query heads under the KV head (GQA folded in),
+//            at most kMaxRows, padded to whole vectors;
+//   scores = S^T [keys x rows]: the rows lie along the vector lanes, so the query tile is
+//            transposed once per item (Q^T [D x rows]) and each key element is one broadcast
+//            feeding a register block of kScoreKeys keys x kScoreVecs row vectors;
+//   softmax: online, per row (= per lane): the block maximum, the rescale and the sums are
+//            vertical vector operations over the keys, no horizontal sums anywhere;
+//   values:  O [rows x D] += P [rows x keys] . V [keys x D], a register block of kValueRows rows x
+//            kValueVecs vectors of D, each value row read from its page once per row block.
+//
+// Positions grow within a group, so a key block needs a mask only where it crosses the tile's
+// causal diagonal or a window edge; blocks no row may see are skipped. The running maximum starts
+// at -1e30, not -inf, so a row that has seen no key yet (a window that has not reached it) takes a
+// block of -inf scores as weights exp(-inf) = 0, not NaN. Work items run largest first from a
+// shared counter: with causal masking a tile's cost grows with its position, and a static split
+// of the item range over two threads would leave one with three quarters of the work.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+using hybridkv_cpu::exp_nonpositive;  // cpu_math.h, put in front of this file by the loader
+using hybridkv_cpu::kLanes;
+using hybridkv_cpu::load_vec;
+using hybridkv_cpu::splat;
+using hybridkv_cpu::store_vec;
+using hybridkv_cpu::to_float;
+using hybridkv_cpu::vfloat;
+
+constexpr int64_t kKeyBlock = 64;  // keys per online-softmax block
+constexpr int64_t kMaxRows = 96;   // query rows (positions x heads of a KV head) per work item
+constexpr float kNoMax = -1e30f;   // the running maximum before any key (see the header)
+// Register blocks: 32 vector registers with AVX-512, 16 with AVX2 (accumulators + operands).
+constexpr int kScoreKeys = kLanes == 16 ? 8 : 3;
+constexpr int kScoreVecs = 3;
+constexpr int kValueRows = kLanes == 16 ? 6 : 2;
+constexpr int kValueVecs = 4;
+
+// st[t * ld + lanes] += sum_d k[t][d] * qt[d][lanes] for KT keys x C row vectors from column c0.
+template <int KT, int C>
+inline void score_block(const float* __restrict__ qt, int64_t ld, const float* __restrict__ k, int64_t D,
+                        float* __restrict__ st, int64_t c0) {
+  vfloat acc[KT][C] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    vfloat qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = load_vec(qt + d * ld + c0 + c * kLanes);
+    for (int t = 0; t < KT; ++t) {
+      const vfloat kb = splat(k[t * D + d]);
+      for (int c = 0; c < C; ++c) acc[t][c] += kb * qv[c];
+    }
+  }
+  for (int t = 0; t < KT; ++t)
+    for (int c = 0; c < C; ++c) store_vec(st + t * ld + c0 + c * kLanes, acc[t][c]);
+}
+
+template <int KT>
+inline void score_keys(const float* qt, int64_t ld, const float* k, int64_t D, float* st, int64_t vecs) {
+  int64_t v = 0;
+  for (; v + kScoreVecs <= vecs; v += kScoreVecs) score_block<KT, kScoreVecs>(qt, ld, k, D, st, v * kLanes);
+  switch (vecs - v) {
+    case 1: score_block<KT, 1>(qt, ld, k, D, st, v * kLanes); break;
+    case 2: score_block<KT, 2>(qt, ld, k, D, st, v * kLanes); break;
+  }
+  static_assert(kScoreVecs == 3, "the tail switch covers kScoreVecs - 1 vectors");
+}
+
+// S^T [bl x ld] = K [bl x D] . Q^T [D x ld] over the padded rows (vecs vectors of lanes).
+void scores(const float* qt, int64_t ld, const float* k, int64_t D, float* st, int64_t bl, int64_t vecs) {
+  int64_t t = 0;
+  for (; t + kScoreKeys <= bl; t += kScoreKeys) score_keys<kScoreKeys>(qt, ld, k + t * D, D, st + t * ld, vecs);
+  for (; t < bl; ++t) score_keys<1>(qt, ld, k + t * D, D, st + t * ld, vecs);
+}
+
+// o[r][c0 ..] = o[r][c0 ..] * alpha[r] + sum_t p[t * ld + r] * value_t[c0 ..] for R rows from r0.
+template <int R, int C, typename scalar_t>
+inline void value_block(float* __restrict__ o, int64_t D, const float* __restrict__ alpha,
+                        const float* __restrict__ p, int64_t ld, const scalar_t* const* values, int64_t bl,
+                        int64_t r0, int64_t c0) {
+  vfloat acc[R][C];
+  for (int r = 0; r < R; ++r) {
+    const vfloat a = splat(alpha[r0 + r]);
+    for (int c = 0; c < C; ++c) acc[r][c] = a * load_vec(o + (r0 + r) * D + c0 + c * kLanes);
+  }
+  for (int64_t t = 0; t < bl; ++t) {
+    vfloat vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load_vec(values[t] + c0 + c * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const vfloat pb = splat(p[t * ld + r0 + r]);
+      for (int c = 0; c < C; ++c) acc[r][c] += pb * vv[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store_vec(o + (r0 + r) * D + c0 + c * kLanes, acc[r][c]);
+}
+
+template <int R, typename scalar_t>
+inline void value_rows(float* o, int64_t D, const float* alpha, const float* p, int64_t ld,
+                       const scalar_t* const* values, int64_t bl, int64_t r0) {
+  const int64_t vecs = D / kLanes;
+  int64_t v = 0;
+  for (; v + kValueVecs <= vecs; v += kValueVecs) value_block<R, kValueVecs>(o, D, alpha, p, ld, values, bl, r0, v * kLanes);
+  for (; v < vecs; ++v) value_block<R, 1>(o, D, alpha, p, ld, values, bl, r0, v * kLanes);
+}
+
+// O [rows x D] = O * alpha + P . V for every row, P stored transposed (p[t * ld + row]).
+template <typename scalar_t>
+void values(float* o, int64_t D, const float* alpha, const float* p, int64_t ld, const scalar_t* const* vrows,
+            int64_t bl, int64_t rows) {
+  int64_t r = 0;
+  for (; r + kValueRows <= rows; r += kValueRows) value_rows<kValueRows>(o, D, alpha, p, ld, vrows, bl, r);
+  for (; r < rows; ++r) value_rows<1>(o, D, alpha, p, ld, vrows, bl, r);
+}
+
+struct Item {
+  int64_t group, head, q0, q1;  // query rows [q0, q1) of the group (absolute rows of q)
+  int64_t cost;                 // keys x queries, for the largest-first order
+};
+
+template <typename scalar_t>
+void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+         const torch::Tensor& block_table, const torch::Tensor& group_start, const torch::Tensor& group_row,
+         const torch::Tensor& positions, int64_t page_size, int64_t window, double scale) {
+  const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(0);
+  const int64_t grp = H / Hkv;
+  const int64_t G = group_row.size(0);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const int64_t kh = k_cache.stride(0), ks = k_cache.stride(1);
+  const int64_t vh = v_cache.stride(0), vs = v_cache.stride(1);
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int64_t bt_stride = block_table.stride(0), bt_width = block_table.size(1);
+  const int32_t* gs = group_start.data_ptr<int32_t>();
+  const int32_t* gr = group_row.data_ptr<int32_t>();
+  const int32_t* pos = positions.data_ptr<int32_t>();
+  const float fscale = static_cast<float>(scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  auto window_start = [&](int64_t p) -> int64_t { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; };
+
+  // Every key a group's rows may read must lie on a page its block-table row names.
+  for (int64_t g = 0; g < G; ++g)
+    if (gs[g + 1] > gs[g])
+      TORCH_CHECK(pos[gs[g + 1] - 1] / page_size < bt_width, "position ", pos[gs[g + 1] - 1],
+                  " is past the block table's ", bt_width, " pages");
+
+  const int64_t tile = std::max<int64_t>(1, kMaxRows / grp);  // query positions per item
+  std::vector<Item> items;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t a = gs[g]; a < gs[g + 1]; a += tile) {
+      const int64_t b = std::min<int64_t>(gs[g + 1], a + tile);
+      const int64_t keys = pos[b - 1] - window_start(pos[a]) + 1;
+      for (int64_t h = 0; h < Hkv; ++h) items.push_back({g, h, a, b, keys * (b - a)});
+    }
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+
+  const int64_t max_rows = tile * grp;
+  const int64_t ld = (max_rows + kLanes - 1) / kLanes * kLanes;  // rows padded to whole vectors
+  // Per thread: Q^T [D x ld], the key block [kKeyBlock x D], S^T [kKeyBlock x ld], O [ld x D],
+  // running max, sum and rescale [ld] each; plus the block's value row addresses.
+  const int64_t per_thread = D * ld + kKeyBlock * D + kKeyBlock * ld + ld * D + 3 * ld;
+  const int nthreads = at::get_num_threads();
+  auto scratch = torch::empty({nthreads, per_thread}, q.options().dtype(torch::kFloat32));
+  float* scratch_base = scratch.data_ptr<float>();
+  std::vector<const scalar_t*> row_ptrs(static_cast<size_t>(nthreads) * kKeyBlock);
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+
+  at::parallel_for(0, nthreads, 1, [&](int64_t t_begin, int64_t t_end) {
+    for (int64_t worker = t_begin; worker < t_end; ++worker) {  // one chunk per thread
+      float* qt = scratch_base + at::get_thread_num() * per_thread;
+      float* kbuf = qt + D * ld;
+      float* st = kbuf + kKeyBlock * D;
+      float* o = st + kKeyBlock * ld;
+      float* m = o + ld * D;
+      float* l = m + ld;
+      float* alpha = l + ld;
+      const scalar_t** vrows = row_ptrs.data() + at::get_thread_num() * kKeyBlock;
+      for (int64_t i = next++; i < num_items; i = next++) {
+        const Item& it = items[i];
+        const int64_t h = it.head, nq = it.q1 - it.q0, rows = nq * grp;
+        const int64_t vecs = (rows + kLanes - 1) / kLanes;
+        const int32_t* row_pages = bt + gr[it.group] * bt_stride;
+        // Q^T, scaled; row (query i, head j) is column i * grp + j; padding columns are zero.
+        std::fill(qt, qt + D * ld, 0.f);
+        for (int64_t qi = 0; qi < nq; ++qi)
+          for (int64_t j = 0; j < grp; ++j) {
+            const scalar_t* src = qp + ((it.q0 + qi) * H + h * grp + j) * D;
+            for (int64_t d = 0; d < D; ++d) qt[d * ld + qi * grp + j] = to_float(src[d]) * fscale;
+          }
+        std::fill(m, m + ld, kNoMax);
+        std::fill(l, l + ld, 0.f);
+        std::fill(o, o + ld * D, 0.f);
+        const int64_t p_first = pos[it.q0], p_last = pos[it.q1 - 1];
+        const int64_t k_first = window_start(p_first);
+        for (int64_t b0 = k_first; b0 <= p_last; b0 += kKeyBlock) {
+          const int64_t bl = std::min<int64_t>(kKeyBlock, p_last - b0 + 1);
+          // The block's keys as float rows, and its value rows' addresses, through the pages.
+          for (int64_t t = 0; t < bl; ++t) {
+            const int64_t kpos = b0 + t;
+            const int64_t slot = static_cast<int64_t>(row_pages[kpos / page_size]) * page_size + kpos % page_size;
+            const scalar_t* key = kp + h * kh + slot * ks;
+            float* dst = kbuf + t * D;
+            for (int64_t d = 0; d < D; d += kLanes) store_vec(dst + d, load_vec(key + d));
+            vrows[t] = vp + h * vh + slot * vs;
+          }
+          scores(qt, ld, kbuf, D, st, bl, vecs);
+          // Mask what some row may not see: keys after the first query (the causal diagonal), or
+          // before the last query's window start (the window's edge).
+          if (b0 + bl - 1 > p_first || (window > 0 && b0 < window_start(p_last))) {
+            for (int64_t t = 0; t < bl; ++t) {
+              const int64_t kpos = b0 + t;
+              float* srow = st + t * ld;
+              for (int64_t qi = 0; qi < nq; ++qi) {
+                const int64_t p = pos[it.q0 + qi];
+                if (kpos > p || kpos < window_start(p))
+                  for (int64_t j = 0; j < grp; ++j) srow[qi * grp + j] = neg_inf;
+              }
+            }
+          }
+          // Online softmax, lane by lane: block max, rescale of the earlier blocks, weights.
+          float* bm = alpha;  // the block maximum first, then the rescale factor in place
+          std::copy(st, st + ld, bm);
+          for (int64_t t = 1; t < bl; ++t) {
+            const float* srow = st + t * ld;
+#pragma omp simd
+            for (int64_t r = 0; r < ld; ++r) bm[r] = srow[r] > bm[r] ? srow[r] : bm[r];
+          }
+#pragma omp simd
+          for (int64_t r = 0; r < ld; ++r) {
+            const float new_m = bm[r] > m[r] ? bm[r] : m[r];
+            bm[r] = exp_nonpositive(m[r] - new_m);  // 0 on the first block a row sees
+            m[r] = new_m;
+            l[r] *= bm[r];
+          }
+          for (int64_t t = 0; t < bl; ++t) {
+            float* srow = st + t * ld;
+#pragma omp simd
+            for (int64_t r = 0; r < ld; ++r) {
+              const float e = exp_nonpositive(srow[r] - m[r]);  // a masked key (-inf) weighs 0
+              srow[r] = e;
+              l[r] += e;
+            }
+          }
+          values(o, D, alpha, st, ld, vrows, bl, rows);
+        }
+        for (int64_t qi = 0; qi < nq; ++qi)
+          for (int64_t j = 0; j < grp; ++j) {
+            const int64_t r = qi * grp + j;
+            const float inv = 1.f / l[r];  // every row sees at least its own key
+            scalar_t* dst = op + ((it.q0 + qi) * H + h * grp + j) * D;
+            const float* a = o + r * D;
+            for (int64_t d = 0; d < D; d += kLanes) store_vec(dst + d, load_vec(a + d) * inv);
+          }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                torch::Tensor block_table, torch::Tensor group_start, torch::Tensor group_row,
+                                torch::Tensor positions, int64_t page_size, int64_t window, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, H, D] tensor");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3, "caches must be [Hkv, slots, D]");
+  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "cache rows must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16,
+              "prefill_attention takes float32 or bfloat16");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(2) && q.size(2) == v_cache.size(2), "head sizes differ");
+  TORCH_CHECK(q.size(2) % kLanes == 0, "head size ", q.size(2), " is not a multiple of ", kLanes, " lanes");
+  TORCH_CHECK(page_size > 0, "page_size must be positive");
+  for (const auto* t : {&block_table, &group_start, &group_row, &positions})
+    TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->is_contiguous(), "index tensors must be contiguous int32");
+  TORCH_CHECK(group_start.size(0) == group_row.size(0) + 1, "group_start must have one entry more than group_row");
+  TORCH_CHECK(positions.size(0) == q.size(0), "one position per query row");
+  auto out = torch::empty_like(q);
+  if (group_row.size(0) == 0) return out;
+  if (q.scalar_type() == torch::kFloat32)
+    run<float>(out, q, k_cache, v_cache, block_table, group_start, group_row, positions, page_size, window, scale);
+  else
+    run<c10::BFloat16>(out, q, k_cache, v_cache, block_table, group_start, group_row, positions, page_size, window,
+                       scale);
+  return out;
+}
