@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.model_executor.cpu_kernels import fused_ops
+from hybridkv.attention_backends.cpu_kernels.build import isa_flags
+from hybridkv.model_executor.cpu_kernels import blocked_linear_ops, fused_ops
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +220,59 @@ class PackedLinearWeight:
         return out.view(*shape[:-1], self.out_features)
 
 
+def blocked_linear_for(weight: torch.Tensor) -> ModuleType | None:
+    """cpu_kernels' blocked linear module when it serves `weight` here, else None: a float32 CPU
+    weight, on a CPU whose kernels are built for AVX-512 (16 lanes). On AVX2 the same kernel was
+    faster than oneDNN for decode steps but 16% slower for a 1,024-row prefill (emulated on the
+    Intel VM with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2), and never measured on a real
+    AVX2 CPU, so those keep oneDNN."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or isa_flags()[0] != "avx512":
+        return None
+    return blocked_linear_ops()
+
+
+# Inputs of up to this many rows go through the blocked kernel (one 192-row tile of
+# blocked_linear.cpp), more through F.linear on the parameter (MKL). Intel AMX VM, 2 threads, the
+# demo model's projections x 30 layers, F.linear / blocked, ms: 64 rows 94-98 / 69-70, 128 rows
+# 133-135 / 117-121, 192 rows 174-190 / 148-159, 256 rows 230-234 / 287-293, 512 rows 397 / 438-464;
+# 1,024 rows: F.linear 788-807, oneDNN's packed weight 832-861.
+BLOCKED_MAX_ROWS = 192
+
+
+class BlockedLinearWeight:
+    """A float32 weight [N, K] in cpu_kernels' column-block layout (blocked_linear.cpp, which has
+    the measurements against oneDNN) for inputs of up to BLOCKED_MAX_ROWS rows (decode steps,
+    short chunks), F.linear on the parameter for more; call it like F.linear(x, weight, bias). It
+    replaces PackedLinearWeight's oneDNN copy, so the weight memory stays the parameter plus one
+    copy."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: ModuleType) -> None:
+        self.ops, self.out_features = ops, weight.shape[0]
+        self.weight, self.bias = weight.detach(), bias
+        self.packed = ops.pack_blocked_linear(self.weight)
+        padded = self.packed.shape[0] * self.packed.shape[2]
+        self.padded_bias = None if bias is None else F.pad(bias.detach().float(), (0, padded - self.out_features))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.numel() > BLOCKED_MAX_ROWS * x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)
+        shape = x.shape
+        out = self.ops.blocked_linear(x.reshape(-1, shape[-1]), self.packed, self.padded_bias, self.out_features)
+        return out.view(*shape[:-1], self.out_features)
+
+
+def fast_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """The fastest F.linear(x, weight, bias) this CPU has for `weight`: BlockedLinearWeight,
+    PackedLinearWeight (oneDNN) or WidenedLinearWeight; None when plain F.linear is it."""
+    if (ops := blocked_linear_for(weight)) is not None:
+        return BlockedLinearWeight(weight, bias, ops)
+    if packing_supported(weight):
+        return PackedLinearWeight(weight, bias)
+    if needs_widening(weight):
+        return WidenedLinearWeight(weight, bias)
+    return None
+
+
 # -- half-precision weights on CPUs without native half compute ---------------------------------
 #
 # On an AVX2-only CPU (e.g. AMD Zen 3) torch's bfloat16/float16 matmul of many rows runs 3-8x
@@ -275,6 +330,7 @@ def pack_linear_weights(model: nn.Module) -> int:
     Call after the weights are loaded and cast; the parameters stay in place (state_dict and
     introspection keep working), the packed copy is what forward reads.
     """
+    blocked_by_dtype: dict[torch.dtype, int] = {}
     packed_by_dtype: dict[torch.dtype, int] = {}
     plain_by_dtype: dict[torch.dtype, int] = {}
     widened_by_dtype: dict[torch.dtype, int] = {}
@@ -282,15 +338,16 @@ def pack_linear_weights(model: nn.Module) -> int:
         if not isinstance(module, nn.Linear):
             continue
         dtype = module.weight.dtype
-        if packing_supported(module.weight):
-            module.forward = PackedLinearWeight(module.weight, module.bias)  # instance attribute shadows nn.Linear.forward
-            packed_by_dtype[dtype] = packed_by_dtype.get(dtype, 0) + 1
-        elif needs_widening(module.weight):
-            module.forward = WidenedLinearWeight(module.weight, module.bias)
-            widened_by_dtype[dtype] = widened_by_dtype.get(dtype, 0) + 1
-        else:
-            plain_by_dtype[dtype] = plain_by_dtype.get(dtype, 0) + 1
+        linear = fast_linear(module.weight, module.bias)
+        if linear is not None:
+            module.forward = linear  # instance attribute shadows nn.Linear.forward
+        counts = {BlockedLinearWeight: blocked_by_dtype, PackedLinearWeight: packed_by_dtype,
+                  WidenedLinearWeight: widened_by_dtype}.get(type(linear), plain_by_dtype)
+        counts[dtype] = counts.get(dtype, 0) + 1
     capability = torch.backends.cpu.get_cpu_capability()
+    for dtype, n in blocked_by_dtype.items():
+        logger.info("linear weights: %d %s layer(s) in column blocks for the CPU blocked linear (CPU capability %s)",
+                    n, dtype, capability)
     for dtype, n in packed_by_dtype.items():
         logger.info("linear weights: %d %s layer(s) prepacked for oneDNN (CPU capability %s)", n, dtype, capability)
     for dtype, n in widened_by_dtype.items():
@@ -302,4 +359,4 @@ def pack_linear_weights(model: nn.Module) -> int:
             "linear weights: %d %s layer(s) use plain F.linear (oneDNN prepacking is not available for "
             "this dtype on this CPU, capability %s)", n, dtype, capability,
         )
-    return sum(packed_by_dtype.values())
+    return sum(packed_by_dtype.values()) + sum(blocked_by_dtype.values())

@@ -7,6 +7,10 @@ GEMV, also bf16 weights widened in registers), RMSNorm, RoPE, SiLU x mul, mHC's 
 the torch code stays as the fallback and as the reference the tests hold them to. Built like the
 attention kernels (attention_backends/cpu_kernels/build.py): HYBRIDKV_CPU_KERNELS=0, no compiler
 or a failed build leave `fused_ops()` None (logged once) and every layer on its torch path.
+
+`blocked_linear_ops()` (blocked_linear.cpp) is the float32 linear of any row count from a weight
+in column blocks; layers.BlockedLinearWeight uses it on AVX-512 CPUs instead of oneDNN's packed
+weight. Its own module: it is built with FMA contraction on, which fused_ops.cpp turns off.
 """
 from __future__ import annotations
 
@@ -25,3 +29,11 @@ def fused_ops() -> ModuleType | None:
     # -ffp-contract=off: a*b + c*d rounds each product as torch's separate ops do (see the source)
     return build_cpu_extension("hybridkv_fused_ops", Path(__file__).with_name("fused_ops.cpp"), _FUNCTIONS,
                                "CPU fused ops", extra_cflags=("-ffp-contract=off",))
+
+
+@functools.lru_cache(maxsize=1)
+def blocked_linear_ops() -> ModuleType | None:
+    """blocked_linear.cpp compiled (`pack_blocked_linear`, `blocked_linear`), or None when it
+    cannot be built here."""
+    return build_cpu_extension("hybridkv_blocked_linear", Path(__file__).with_name("blocked_linear.cpp"),
+                               ["pack_blocked_linear", "blocked_linear"], "CPU blocked linear")

@@ -21,14 +21,11 @@ from torch import nn
 from hybridkv.attention_backends.metadata import AttentionMetadata
 from hybridkv.block_manager.space_spec import SpaceSpec
 from hybridkv.model_executor.layers import (
-    PackedLinearWeight,
     RMSNorm,
     RotaryEmbedding,
     SiluAndMulMLP,
-    WidenedLinearWeight,
-    needs_widening,
-    packing_supported,
     apply_rotary,
+    fast_linear,
     pack_linear_weights,
 )
 from hybridkv.model_executor.models.base import CausalLM, load_stacked_weights
@@ -113,7 +110,7 @@ class LlamaForCausalLM(CausalLM):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._packed_logits: PackedLinearWeight | WidenedLinearWeight | None = None
+        self._packed_logits = None  # layers.fast_linear of the logits matrix, set by pack_weights
 
     # -- family differences -------------------------------------------------------------------
     @staticmethod
@@ -173,15 +170,12 @@ class LlamaForCausalLM(CausalLM):
         return hidden @ weight.t()
 
     def pack_weights(self) -> None:
-        """Prepack every projection (and the logits matrix) for the CPU's oneDNN kernels."""
+        """Prepack every projection and the logits matrix for the CPU's fastest linear (layers.fast_linear)."""
         pack_linear_weights(self)
         if isinstance(self.lm_head, QuantizedLinear):
             return
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if packing_supported(weight):
-            self._packed_logits = PackedLinearWeight(weight)
-        elif needs_widening(weight):
-            self._packed_logits = WidenedLinearWeight(weight)
+        self._packed_logits = fast_linear(weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def rename(name: str) -> str | None:

@@ -30,6 +30,7 @@ def no_avx512(monkeypatch):
 
     monkeypatch.setattr(layers, "cpu_supports_prepack", unsupported)
     monkeypatch.setattr(layers, "cpu_computes_natively", lambda dtype: dtype == torch.float32)
+    monkeypatch.setattr(layers, "blocked_linear_for", lambda weight: None)  # AVX2: no blocked linear
     return asked
 
 
@@ -84,7 +85,8 @@ def test_half_weights_without_native_compute_are_widened_for_many_rows(no_avx512
 
 
 @pytest.mark.skipif(not cpu_supports_prepack(torch.float32), reason="this CPU cannot prepack float32 weights")
-def test_supported_dtype_is_prepacked_and_logged(caplog):
+def test_supported_dtype_is_prepacked_and_logged(caplog, monkeypatch):
+    monkeypatch.setattr(layers, "blocked_linear_for", lambda weight: None)  # as on an AVX2 CPU
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
     x = torch.randn(3, 8)
     want = model(x)
@@ -144,3 +146,19 @@ def test_demo_model_loads_in_bfloat16_on_this_cpu():
     assert llm.engine.runner.dtype == torch.bfloat16
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert 1 <= len(out.outputs[0].token_ids) <= 4 and out.outputs[0].text
+
+
+@pytest.mark.skipif(layers.blocked_linear_for(torch.zeros(1, 1)) is None,
+                    reason="the blocked linear serves AVX-512 CPUs with a compiler")
+def test_float32_weights_take_the_blocked_linear_on_avx512_and_it_is_logged(caplog):
+    """On an AVX-512 CPU float32 projections (and the logits matrix) go through the column-block
+    kernel instead of a oneDNN copy, and compute F.linear."""
+    model = nn.Sequential(nn.Linear(8, 40), nn.Linear(40, 4, bias=False))
+    x = torch.randn(2, 3, 8)
+    want = model(x)
+    with caplog.at_level(logging.INFO, logger="hybridkv.model_executor.layers"):
+        assert pack_linear_weights(model) == 2
+    assert all(isinstance(m.__dict__.get("forward"), layers.BlockedLinearWeight) for m in model)
+    assert not _packed_linears(model), "no oneDNN copy beside the blocks"
+    torch.testing.assert_close(model(x), want)
+    assert "2 torch.float32 layer(s) in column blocks" in caplog.text

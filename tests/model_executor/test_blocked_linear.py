@@ -1,0 +1,71 @@
+"""model_executor/cpu_kernels/blocked_linear.cpp: the float32 linear from column blocks computes
+F.linear for every shape the engine sends it -- rows from 1 (a decode) past one 192-row tile (a
+prefill), output widths that end inside a 16-column block and inside a 3-block register group,
+any K, with and without bias -- and writes nothing past the last column."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridkv.model_executor import layers
+from hybridkv.model_executor.cpu_kernels import blocked_linear_ops
+
+ops = blocked_linear_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="the CPU kernels did not build here")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 64, 200, 400])
+@pytest.mark.parametrize("n, k", [(1, 5), (16, 64), (17, 37), (47, 64), (48, 8), (100, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_blocked_linear_equals_f_linear(rows, n, k, with_bias):
+    """The kernel itself, at every row count (the layer sends it at most BLOCKED_MAX_ROWS)."""
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if with_bias else None
+    x = torch.randn(rows, k, generator=g)
+    linear = layers.BlockedLinearWeight(w, b, ops)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    got = ops.blocked_linear(x, linear.packed, linear.padded_bias, n)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(linear(x).double(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_layer_sends_up_to_blocked_max_rows_to_the_kernel_and_more_to_f_linear(monkeypatch):
+    w = torch.randn(20, 8)
+    linear = layers.BlockedLinearWeight(w, None, ops)
+    calls = []
+    real = ops.blocked_linear
+    monkeypatch.setattr(linear, "ops", type("Spy", (), {"blocked_linear": staticmethod(
+        lambda *a: calls.append(a[0].shape[0]) or real(*a))})())
+    linear(torch.randn(layers.BLOCKED_MAX_ROWS, 8))
+    linear(torch.randn(layers.BLOCKED_MAX_ROWS + 1, 8))
+    assert calls == [layers.BLOCKED_MAX_ROWS]
+
+
+def test_blocked_linear_takes_strided_and_batched_inputs():
+    w, b = torch.randn(50, 24), torch.randn(50)
+    linear = layers.BlockedLinearWeight(w, b, ops)
+    x = torch.randn(4, 6, 48)[..., ::2]  # [4, 6, 24], not contiguous
+    torch.testing.assert_close(linear(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+def test_the_packed_weight_is_zero_past_the_last_column_and_the_output_is_exactly_n_wide():
+    w = torch.randn(20, 8)
+    packed = ops.pack_blocked_linear(w)
+    assert packed.shape == (2, 8, 16)
+    assert torch.equal(packed[0].t(), w[:16]) and torch.equal(packed[1, :, :4].t(), w[16:])
+    assert not packed[1, :, 4:].any()
+    y = ops.blocked_linear(torch.randn(9, 8), packed, None, 20)
+    assert y.shape == (9, 20)
+
+
+def test_mismatched_shapes_are_refused():
+    packed = ops.pack_blocked_linear(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="K"):
+        ops.blocked_linear(torch.randn(3, 9), packed, None, 20)
+    with pytest.raises(RuntimeError, match="N does not match"):
+        ops.blocked_linear(torch.randn(3, 8), packed, None, 40)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.blocked_linear(torch.randn(3, 8), packed, torch.zeros(20), 20)
