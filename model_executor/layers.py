@@ -231,12 +231,14 @@ def blocked_linear_for(weight: torch.Tensor) -> ModuleType | None:
     return blocked_linear_ops()
 
 
-# Inputs of up to this many rows go through the blocked kernel (one 192-row tile of
-# blocked_linear.cpp), more through F.linear on the parameter (MKL). Intel AMX VM, 2 threads, the
-# demo model's projections x 30 layers, F.linear / blocked, ms: 64 rows 94-98 / 69-70, 128 rows
-# 133-135 / 117-121, 192 rows 174-190 / 148-159, 256 rows 230-234 / 287-293, 512 rows 397 / 438-464;
-# 1,024 rows: F.linear 788-807, oneDNN's packed weight 832-861.
-BLOCKED_MAX_ROWS = 192
+# Inputs of up to this many rows go through the blocked kernel (one row tile of blocked_linear.cpp),
+# more through F.linear on the parameter (MKL). Intel AMX VM, 2 threads, the demo model's
+# projections x 30 layers, F.linear / blocked, ms: 64 rows 94-98 / 69-70, 128 rows 133-135 /
+# 117-121, 193 rows 214-215 / 170-178, 256 rows 254-266 / 226, 320 rows 298-320 / 304-306, 512 rows
+# 464-509 / 466-490 (a slower phase of the VM than the first rows'); 1,024 rows: F.linear 788-807,
+# oneDNN's packed weight 832-861. A step of ~180 prompt tokens beside ~13 decodes (serve defaults
+# under issue 13's online load) lands just here.
+BLOCKED_MAX_ROWS = 256
 
 
 class BlockedLinearWeight:

@@ -32,7 +32,7 @@ constexpr int64_t kBlockCols = 16;              // output columns per weight blo
 constexpr int kBlockVecs = kBlockCols / kLanes;  // vectors per block row (1 with AVX-512, 2 with AVX2)
 constexpr int kMR = kLanes == 16 ? 8 : 6;        // rows of x per register block
 constexpr int kCB = kLanes == 16 ? 3 : 1;        // column blocks per register block
-constexpr int64_t kRowBlock = 192;               // rows of x per work item (its slice of x stays in L2)
+constexpr int64_t kRowBlock = 256;               // rows of x per work item (its slice of x stays in L2)
 
 // y[0 .. MR) [n0 .. n0 + CB * 16) for rows x[0 .. MR): cols (<= CB * 16) of them are real columns;
 // a partial last block goes through a stack buffer so nothing past column N is written.
@@ -125,10 +125,12 @@ torch::Tensor blocked_linear(torch::Tensor x, torch::Tensor packed, c10::optiona
   float* yp = y.data_ptr<float>();
   const int64_t stride = K * kBlockCols;  // floats per block
   const int64_t groups = (blocks + kCB - 1) / kCB;
+  // Row tiles of equal size (at most kRowBlock): 300 rows are two tiles of 150, not 256 + 44.
   const int64_t row_tiles = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t tile_rows = (M + row_tiles - 1) / row_tiles;
   at::parallel_for(0, row_tiles * groups, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t m0 = i / groups * kRowBlock, mr = std::min<int64_t>(kRowBlock, M - m0);
+      const int64_t m0 = i / groups * tile_rows, mr = std::min<int64_t>(tile_rows, M - m0);
       const int64_t c0 = i % groups * kCB, cb = std::min<int64_t>(kCB, blocks - c0);
       const float* xm = xp + m0 * K;
       float* ym = yp + m0 * N;

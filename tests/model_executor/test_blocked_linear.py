@@ -1,5 +1,5 @@
 """model_executor/cpu_kernels/blocked_linear.cpp: the float32 linear from column blocks computes
-F.linear for every shape the engine sends it -- rows from 1 (a decode) past one 192-row tile (a
+F.linear for every shape the engine sends it -- rows from 1 (a decode) past one 256-row tile (a
 prefill), output widths that end inside a 16-column block and inside a 3-block register group,
 any K, with and without bias -- and writes nothing past the last column."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ ops = blocked_linear_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="the CPU kernels did not build here")
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 64, 200, 400])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 64, 200, 300, 600])
 @pytest.mark.parametrize("n, k", [(1, 5), (16, 64), (17, 37), (47, 64), (48, 8), (100, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_blocked_linear_equals_f_linear(rows, n, k, with_bias):
