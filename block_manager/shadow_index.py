@@ -819,6 +819,10 @@ class ShadowIndex:
             return False
         for s in self.whole:
             if not self._write(node, s):
+                # The spaces written before this one now have a copy on both tiers: the node
+                # belongs in the host-copy queue even though it keeps its device pages (found by
+                # the host-tier state machine: an interior node's c4 written, its full page not).
+                self._sync(node)
                 return False
         for s in self.windows:
             if node.shadows[s] is not None:
