@@ -135,3 +135,28 @@ def test_a_host_pinned_chain_is_never_host_evicted_until_unpinned():
     _run(kv, "o3", [200 + j for j in range(9)])  # now the chain is the host-eviction victim
     assert kv.match_prefix(toks, touch=False).host_tokens < 8
     kv.assert_idle()
+
+
+def test_a_demotion_that_fails_halfway_still_queues_the_host_copies_it_made():
+    """Demoting an interior node writes its whole-history spaces to the host one by one; when a
+    later space has no host room, the node keeps its device pages, but the spaces already
+    written are now on both tiers, so the node must be in the host-copy queue (found by the
+    host-tier state machine, seed 50172935174670999716658640504820591077). Here: the only host
+    page of "full" holds the node's demoted, pinned child, so the node's c4 page gets a host
+    copy and its full page cannot."""
+    specs = [SpaceSpec("c4", 1, 8), SpaceSpec("full", 1, 8)]
+    kv = KVCacheManager(specs, {"c4": 16, "full": 16}, P, True, host_pages={"c4": 16, "full": 1},
+                        hicache_write_policy="write_back")
+    _run(kv, "a", list(range(9)))  # two full pages: an interior node and its leaf
+    interior = next(iter(kv.index._root(None, create=False).children.values()))
+    (leaf,) = interior.children.values()
+    kv.index.evict("full", 1)  # the leaf goes to the host, taking the only full host page
+    kv.take_transfers()
+    assert leaf.shadows["full"] is None and leaf.host["full"] is not None
+    kv.index.pin_host(leaf)  # host eviction must go around it
+    assert not kv.index._demote(interior), "no host room for the interior node's full page"
+    assert interior.host["c4"] is not None and interior.shadows["c4"] is not None
+    kv.check_invariants()
+    kv.index.unpin_host(leaf)
+    kv.take_transfers()
+    kv.assert_idle()
