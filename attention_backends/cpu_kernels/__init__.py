@@ -33,12 +33,16 @@ __all__ = ["ENV_SWITCH", "build_cpu_extension", "kernels_enabled", "load_indexer
            "load_paged_attention", "load_paged_attention_module", "load_prefill_attention", "load_write_kv"]
 
 
+# The call both paged kernels take (checks and raw view), put in front of them by the loader.
+_PAGED_GROUPS = Path(__file__).with_name("paged_groups.h")
+
+
 @functools.lru_cache(maxsize=1)
 def load_paged_attention_module() -> ModuleType | None:
     """paged_attention.cpp compiled (`paged_attention`, `write_kv`), or None when it cannot be
     built here; built once per process."""
     return build_cpu_extension("hybridkv_paged_attention", Path(__file__).with_name("paged_attention.cpp"),
-                               ["paged_attention", "write_kv"], "CPU paged-attention kernel")
+                               ["paged_attention", "write_kv"], "CPU paged-attention kernel", headers=(_PAGED_GROUPS,))
 
 
 def load_paged_attention() -> Callable[..., torch.Tensor] | None:
@@ -80,5 +84,5 @@ def load_prefill_attention() -> Callable[..., torch.Tensor] | None:
     float32 / bfloat16, head size a multiple of the vector width), or None when it cannot be built
     here."""
     module = build_cpu_extension("hybridkv_prefill_attention", Path(__file__).with_name("prefill_attention.cpp"),
-                                 ["prefill_attention"], "CPU prefill-attention kernel")
+                                 ["prefill_attention"], "CPU prefill-attention kernel", headers=(_PAGED_GROUPS,))
     return None if module is None else module.prefill_attention

@@ -43,7 +43,7 @@ def isa_flags() -> tuple[str, list[str]]:
 
 
 def build_cpu_extension(name: str, source: Path, functions: list[str], what: str,
-                        extra_cflags: tuple[str, ...] = ()) -> ModuleType | None:
+                        extra_cflags: tuple[str, ...] = (), headers: tuple[Path, ...] = ()) -> ModuleType | None:
     """Compile `source` (with cpu_math.h in front) exposing `functions`; None, logged once by the
     caller's cache, when switched off or when the build fails (`what` names it in the log)."""
     if not kernels_enabled():
@@ -57,7 +57,7 @@ def build_cpu_extension(name: str, source: Path, functions: list[str], what: str
         # over exp_nonpositive need to vectorize at all; it changes no result (no FP traps are on).
         module = cpp_extension.load_inline(
             name=f"{name}_{tag}",
-            cpp_sources=[_SHARED_HEADER.read_text() + "\n" + source.read_text()],
+            cpp_sources=["\n".join(h.read_text() for h in (_SHARED_HEADER, *headers, source))],
             functions=functions,
             extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", *isa, *extra_cflags],
             extra_ldflags=["-fopenmp"],

@@ -121,61 +121,48 @@ template <typename scalar_t>
 void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& block_table, const torch::Tensor& group_start, const torch::Tensor& group_row,
          const torch::Tensor& positions, int64_t page_size, int64_t window, double scale) {
-  const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(0);
-  const int64_t grp = H / Hkv;
-  const int64_t G = group_row.size(0);
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  scalar_t* op = out.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-  const int64_t kh = k_cache.stride(0), ks = k_cache.stride(1);
-  const int64_t vh = v_cache.stride(0), vs = v_cache.stride(1);
-  const int32_t* bt = block_table.data_ptr<int32_t>();
-  const int64_t bt_stride = block_table.stride(0), bt_width = block_table.size(1);
-  const int32_t* gs = group_start.data_ptr<int32_t>();
-  const int32_t* gr = group_row.data_ptr<int32_t>();
-  const int32_t* pos = positions.data_ptr<int32_t>();
-  const float fscale = static_cast<float>(scale);
+  const hybridkv_cpu::PagedGroups<scalar_t> c(out, q, k_cache, v_cache, block_table, group_start, group_row,
+                                             positions, page_size, window, scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   // Scratch, one slice per thread, allocated through torch (so allocation profilers see it):
   // queries, scores of one key block, accumulators, running max and sum, for the largest group.
   int64_t max_rows = 0;
-  for (int64_t g = 0; g < G; ++g) max_rows = std::max<int64_t>(max_rows, (gs[g + 1] - gs[g]) * grp);
-  const int64_t per_thread = max_rows * (kBlock + 2 * D + 2);
+  for (int64_t g = 0; g < c.G; ++g) max_rows = std::max<int64_t>(max_rows, (c.gs[g + 1] - c.gs[g]) * c.grp);
+  const int64_t per_thread = max_rows * (kBlock + 2 * c.D + 2);
   auto scratch = torch::empty({at::get_num_threads(), per_thread}, q.options().dtype(torch::kFloat32));
   float* scratch_base = scratch.data_ptr<float>();
   // Per thread: the addresses of one block's key and value rows, looked up through the pages once
   // for all the group's rows.
   std::vector<const scalar_t*> row_ptrs(static_cast<size_t>(at::get_num_threads()) * 2 * kBlock);
 
-  at::parallel_for(0, G * Hkv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, c.G * c.Hkv, 1, [&](int64_t begin, int64_t end) {
     float* mine = scratch_base + at::get_thread_num() * per_thread;
     float* qf = mine;
-    float* scores = qf + max_rows * D;
+    float* scores = qf + max_rows * c.D;
     float* acc = scores + max_rows * kBlock;
-    float* m = acc + max_rows * D;
+    float* m = acc + max_rows * c.D;
     float* l = m + max_rows;
     const scalar_t** keys = row_ptrs.data() + at::get_thread_num() * 2 * kBlock;
     const scalar_t** values = keys + kBlock;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t g = item / Hkv, h = item % Hkv;
-      const int64_t r0 = gs[g], r1 = gs[g + 1];
-      const int64_t nr = (r1 - r0) * grp;  // score rows: query rows x query heads of this KV head
-      const int64_t first = window > 0 ? std::max<int64_t>(0, pos[r0] - window + 1) : 0;
-      const int64_t last = pos[r1 - 1];  // positions grow within a group
-      const int32_t* row_pages = bt + gr[g] * bt_stride;
+      const int64_t g = item / c.Hkv, h = item % c.Hkv;
+      const int64_t r0 = c.gs[g], r1 = c.gs[g + 1];
+      const int64_t nr = (r1 - r0) * c.grp;  // score rows: query rows x query heads of this KV head
+      const int64_t first = c.window_start(c.pos[r0]);
+      const int64_t last = c.pos[r1 - 1];  // positions grow within a group
+      const int32_t* row_pages = c.bt + c.gr[g] * c.bt_stride;
       for (int64_t r = r0; r < r1; ++r)
-        for (int64_t j = 0; j < grp; ++j) {
-          const scalar_t* src = qp + (r * H + h * grp + j) * D;
-          float* dst = qf + ((r - r0) * grp + j) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * fscale;
+        for (int64_t j = 0; j < c.grp; ++j) {
+          const scalar_t* src = c.qp + (r * c.H + h * c.grp + j) * c.D;
+          float* dst = qf + ((r - r0) * c.grp + j) * c.D;
+          for (int64_t d = 0; d < c.D; ++d) dst[d] = to_float(src[d]) * c.fscale;
         }
       // Keys in blocks of kBlock with an online softmax (running max m and sum l per row), so
       // the scratch is rows x kBlock whatever the context length.
       std::fill(m, m + nr, neg_inf);
       std::fill(l, l + nr, 0.f);
-      std::fill(acc, acc + nr * D, 0.f);
+      std::fill(acc, acc + nr * c.D, 0.f);
       for (int64_t b0 = first; b0 <= last; b0 += kBlock) {
         const int64_t bl = std::min<int64_t>(kBlock, last - b0 + 1);
         std::fill(scores, scores + nr * kBlock, neg_inf);
@@ -183,20 +170,20 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         // it may see (the others stay -inf).
         for (int64_t t = b0; t < b0 + bl; ++t) {
           const int64_t pi = t / page_size;
-          TORCH_CHECK(pi < bt_width, "position ", t, " is past the block table's ", bt_width, " pages");
+          TORCH_CHECK(pi < c.bt_width, "position ", t, " is past the block table's ", c.bt_width, " pages");
           const int64_t slot = static_cast<int64_t>(row_pages[pi]) * page_size + t % page_size;
-          keys[t - b0] = kp + h * kh + slot * ks;
-          values[t - b0] = vp + h * vh + slot * vs;
+          keys[t - b0] = c.kp + h * c.kh + slot * c.ks;
+          values[t - b0] = c.vp + h * c.vh + slot * c.vs;
         }
 
         for (int64_t r = r0; r < r1; ++r) {
-          const int64_t p = pos[r];
+          const int64_t p = c.pos[r];
           const int64_t lo = std::max<int64_t>(b0, window > 0 ? p - window + 1 : 0) - b0;
           const int64_t hi = std::min<int64_t>(b0 + bl, p + 1) - b0;
           if (lo >= hi) continue;
-          for (int64_t j = 0; j < grp; ++j) {
-            const int64_t row = (r - r0) * grp + j;
-            scores_row(qf + row * D, keys, scores + row * kBlock, lo, hi, D);
+          for (int64_t j = 0; j < c.grp; ++j) {
+            const int64_t row = (r - r0) * c.grp + j;
+            scores_row(qf + row * c.D, keys, scores + row * kBlock, lo, hi, c.D);
           }
         }
         // Online softmax: rescale what the earlier blocks summed when the row's maximum grows.
@@ -218,20 +205,20 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
           l[row] = l[row] * alpha + sum;
           m[row] = new_m;
           if (alpha != 1.f) {
-            float* a = acc + row * D;
-            for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+            float* a = acc + row * c.D;
+            for (int64_t d = 0; d < c.D; ++d) a[d] *= alpha;
           }
         }
         // The weighted sum of the block's values (a key a row may not see has weight 0).
-        for (int64_t row = 0; row < nr; ++row) values_row(acc + row * D, scores + row * kBlock, values, 0, bl, D);
+        for (int64_t row = 0; row < nr; ++row) values_row(acc + row * c.D, scores + row * kBlock, values, 0, bl, c.D);
       }
       for (int64_t r = r0; r < r1; ++r)
-        for (int64_t j = 0; j < grp; ++j) {
-          const int64_t row = (r - r0) * grp + j;
+        for (int64_t j = 0; j < c.grp; ++j) {
+          const int64_t row = (r - r0) * c.grp + j;
           const float inv = 1.f / l[row];  // every row sees at least its own key
-          scalar_t* dst = op + (r * H + h * grp + j) * D;
-          const float* a = acc + row * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(a[d] * inv);
+          scalar_t* dst = c.op + (r * c.H + h * c.grp + j) * c.D;
+          const float* a = acc + row * c.D;
+          for (int64_t d = 0; d < c.D; ++d) dst[d] = static_cast<scalar_t>(a[d] * inv);
         }
     }
   });
@@ -242,16 +229,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_table, torch::Tensor group_start, torch::Tensor group_row,
                               torch::Tensor positions, int64_t page_size, int64_t window, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, H, D] tensor");
-  TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3, "caches must be [Hkv, slots, D]");
-  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "cache rows must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "q, k_cache and v_cache must share a dtype");
-  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(q.size(2) == k_cache.size(2) && q.size(2) == v_cache.size(2), "head sizes differ");
-  for (const auto* t : {&block_table, &group_start, &group_row, &positions})
-    TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->is_contiguous(), "index tensors must be contiguous int32");
-  TORCH_CHECK(group_start.size(0) == group_row.size(0) + 1, "group_start must have one entry more than group_row");
+  hybridkv_cpu::check_paged_groups(q, k_cache, v_cache, block_table, group_start, group_row, positions);
   auto out = torch::empty_like(q);
   if (group_row.size(0) == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {

@@ -138,45 +138,31 @@ template <typename scalar_t>
 void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& block_table, const torch::Tensor& group_start, const torch::Tensor& group_row,
          const torch::Tensor& positions, int64_t page_size, int64_t window, double scale) {
-  const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(0);
-  const int64_t grp = H / Hkv;
-  const int64_t G = group_row.size(0);
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  scalar_t* op = out.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-  const int64_t kh = k_cache.stride(0), ks = k_cache.stride(1);
-  const int64_t vh = v_cache.stride(0), vs = v_cache.stride(1);
-  const int32_t* bt = block_table.data_ptr<int32_t>();
-  const int64_t bt_stride = block_table.stride(0), bt_width = block_table.size(1);
-  const int32_t* gs = group_start.data_ptr<int32_t>();
-  const int32_t* gr = group_row.data_ptr<int32_t>();
-  const int32_t* pos = positions.data_ptr<int32_t>();
-  const float fscale = static_cast<float>(scale);
+  const hybridkv_cpu::PagedGroups<scalar_t> c(out, q, k_cache, v_cache, block_table, group_start, group_row,
+                                             positions, page_size, window, scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  auto window_start = [&](int64_t p) -> int64_t { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; };
 
   // Every key a group's rows may read must lie on a page its block-table row names.
-  for (int64_t g = 0; g < G; ++g)
-    if (gs[g + 1] > gs[g])
-      TORCH_CHECK(pos[gs[g + 1] - 1] / page_size < bt_width, "position ", pos[gs[g + 1] - 1],
-                  " is past the block table's ", bt_width, " pages");
+  for (int64_t g = 0; g < c.G; ++g)
+    if (c.gs[g + 1] > c.gs[g])
+      TORCH_CHECK(c.pos[c.gs[g + 1] - 1] / page_size < c.bt_width, "position ", c.pos[c.gs[g + 1] - 1],
+                  " is past the block table's ", c.bt_width, " pages");
 
-  const int64_t tile = std::max<int64_t>(1, kMaxRows / grp);  // query positions per item
+  const int64_t tile = std::max<int64_t>(1, kMaxRows / c.grp);  // query positions per item
   std::vector<Item> items;
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t a = gs[g]; a < gs[g + 1]; a += tile) {
-      const int64_t b = std::min<int64_t>(gs[g + 1], a + tile);
-      const int64_t keys = pos[b - 1] - window_start(pos[a]) + 1;
-      for (int64_t h = 0; h < Hkv; ++h) items.push_back({g, h, a, b, keys * (b - a)});
+  for (int64_t g = 0; g < c.G; ++g)
+    for (int64_t a = c.gs[g]; a < c.gs[g + 1]; a += tile) {
+      const int64_t b = std::min<int64_t>(c.gs[g + 1], a + tile);
+      const int64_t keys = c.pos[b - 1] - c.window_start(c.pos[a]) + 1;
+      for (int64_t h = 0; h < c.Hkv; ++h) items.push_back({g, h, a, b, keys * (b - a)});
     }
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
 
-  const int64_t max_rows = tile * grp;
+  const int64_t max_rows = tile * c.grp;
   const int64_t ld = (max_rows + kLanes - 1) / kLanes * kLanes;  // rows padded to whole vectors
-  // Per thread: Q^T [D x ld], the key block [kKeyBlock x D], S^T [kKeyBlock x ld], O [ld x D],
+  // Per thread: Q^T [c.D x ld], the key block [kKeyBlock x c.D], S^T [kKeyBlock x ld], O [ld x c.D],
   // running max, sum and rescale [ld] each; plus the block's value row addresses.
-  const int64_t per_thread = D * ld + kKeyBlock * D + kKeyBlock * ld + ld * D + 3 * ld;
+  const int64_t per_thread = c.D * ld + kKeyBlock * c.D + kKeyBlock * ld + ld * c.D + 3 * ld;
   const int nthreads = at::get_num_threads();
   auto scratch = torch::empty({nthreads, per_thread}, q.options().dtype(torch::kFloat32));
   float* scratch_base = scratch.data_ptr<float>();
@@ -187,52 +173,52 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   at::parallel_for(0, nthreads, 1, [&](int64_t t_begin, int64_t t_end) {
     for (int64_t worker = t_begin; worker < t_end; ++worker) {  // one chunk per thread
       float* qt = scratch_base + at::get_thread_num() * per_thread;
-      float* kbuf = qt + D * ld;
-      float* st = kbuf + kKeyBlock * D;
+      float* kbuf = qt + c.D * ld;
+      float* st = kbuf + kKeyBlock * c.D;
       float* o = st + kKeyBlock * ld;
-      float* m = o + ld * D;
+      float* m = o + ld * c.D;
       float* l = m + ld;
       float* alpha = l + ld;
       const scalar_t** vrows = row_ptrs.data() + at::get_thread_num() * kKeyBlock;
       for (int64_t i = next++; i < num_items; i = next++) {
         const Item& it = items[i];
-        const int64_t h = it.head, nq = it.q1 - it.q0, rows = nq * grp;
+        const int64_t h = it.head, nq = it.q1 - it.q0, rows = nq * c.grp;
         const int64_t vecs = (rows + kLanes - 1) / kLanes;
-        const int32_t* row_pages = bt + gr[it.group] * bt_stride;
-        // Q^T, scaled; row (query i, head j) is column i * grp + j; padding columns are zero.
-        std::fill(qt, qt + D * ld, 0.f);
+        const int32_t* row_pages = c.bt + c.gr[it.group] * c.bt_stride;
+        // Q^T, scaled; row (query i, head j) is column i * c.grp + j; padding columns are zero.
+        std::fill(qt, qt + c.D * ld, 0.f);
         for (int64_t qi = 0; qi < nq; ++qi)
-          for (int64_t j = 0; j < grp; ++j) {
-            const scalar_t* src = qp + ((it.q0 + qi) * H + h * grp + j) * D;
-            for (int64_t d = 0; d < D; ++d) qt[d * ld + qi * grp + j] = to_float(src[d]) * fscale;
+          for (int64_t j = 0; j < c.grp; ++j) {
+            const scalar_t* src = c.qp + ((it.q0 + qi) * c.H + h * c.grp + j) * c.D;
+            for (int64_t d = 0; d < c.D; ++d) qt[d * ld + qi * c.grp + j] = to_float(src[d]) * c.fscale;
           }
         std::fill(m, m + ld, kNoMax);
         std::fill(l, l + ld, 0.f);
-        std::fill(o, o + ld * D, 0.f);
-        const int64_t p_first = pos[it.q0], p_last = pos[it.q1 - 1];
-        const int64_t k_first = window_start(p_first);
+        std::fill(o, o + ld * c.D, 0.f);
+        const int64_t p_first = c.pos[it.q0], p_last = c.pos[it.q1 - 1];
+        const int64_t k_first = c.window_start(p_first);
         for (int64_t b0 = k_first; b0 <= p_last; b0 += kKeyBlock) {
           const int64_t bl = std::min<int64_t>(kKeyBlock, p_last - b0 + 1);
           // The block's keys as float rows, and its value rows' addresses, through the pages.
           for (int64_t t = 0; t < bl; ++t) {
             const int64_t kpos = b0 + t;
             const int64_t slot = static_cast<int64_t>(row_pages[kpos / page_size]) * page_size + kpos % page_size;
-            const scalar_t* key = kp + h * kh + slot * ks;
-            float* dst = kbuf + t * D;
-            for (int64_t d = 0; d < D; d += kLanes) store_vec(dst + d, load_vec(key + d));
-            vrows[t] = vp + h * vh + slot * vs;
+            const scalar_t* key = c.kp + h * c.kh + slot * c.ks;
+            float* dst = kbuf + t * c.D;
+            for (int64_t d = 0; d < c.D; d += kLanes) store_vec(dst + d, load_vec(key + d));
+            vrows[t] = c.vp + h * c.vh + slot * c.vs;
           }
-          scores(qt, ld, kbuf, D, st, bl, vecs);
+          scores(qt, ld, kbuf, c.D, st, bl, vecs);
           // Mask what some row may not see: keys after the first query (the causal diagonal), or
           // before the last query's window start (the window's edge).
-          if (b0 + bl - 1 > p_first || (window > 0 && b0 < window_start(p_last))) {
+          if (b0 + bl - 1 > p_first || (window > 0 && b0 < c.window_start(p_last))) {
             for (int64_t t = 0; t < bl; ++t) {
               const int64_t kpos = b0 + t;
               float* srow = st + t * ld;
               for (int64_t qi = 0; qi < nq; ++qi) {
-                const int64_t p = pos[it.q0 + qi];
-                if (kpos > p || kpos < window_start(p))
-                  for (int64_t j = 0; j < grp; ++j) srow[qi * grp + j] = neg_inf;
+                const int64_t p = c.pos[it.q0 + qi];
+                if (kpos > p || kpos < c.window_start(p))
+                  for (int64_t j = 0; j < c.grp; ++j) srow[qi * c.grp + j] = neg_inf;
               }
             }
           }
@@ -260,15 +246,15 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
               l[r] += e;
             }
           }
-          values(o, D, alpha, st, ld, vrows, bl, rows);
+          values(o, c.D, alpha, st, ld, vrows, bl, rows);
         }
         for (int64_t qi = 0; qi < nq; ++qi)
-          for (int64_t j = 0; j < grp; ++j) {
-            const int64_t r = qi * grp + j;
+          for (int64_t j = 0; j < c.grp; ++j) {
+            const int64_t r = qi * c.grp + j;
             const float inv = 1.f / l[r];  // every row sees at least its own key
-            scalar_t* dst = op + ((it.q0 + qi) * H + h * grp + j) * D;
-            const float* a = o + r * D;
-            for (int64_t d = 0; d < D; d += kLanes) store_vec(dst + d, load_vec(a + d) * inv);
+            scalar_t* dst = c.op + ((it.q0 + qi) * c.H + h * c.grp + j) * c.D;
+            const float* a = o + r * c.D;
+            for (int64_t d = 0; d < c.D; d += kLanes) store_vec(dst + d, load_vec(a + d) * inv);
           }
       }
     }
@@ -280,20 +266,11 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                 torch::Tensor block_table, torch::Tensor group_start, torch::Tensor group_row,
                                 torch::Tensor positions, int64_t page_size, int64_t window, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, H, D] tensor");
-  TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3, "caches must be [Hkv, slots, D]");
-  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "cache rows must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "q, k_cache and v_cache must share a dtype");
+  hybridkv_cpu::check_paged_groups(q, k_cache, v_cache, block_table, group_start, group_row, positions);
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16,
               "prefill_attention takes float32 or bfloat16");
-  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(q.size(2) == k_cache.size(2) && q.size(2) == v_cache.size(2), "head sizes differ");
   TORCH_CHECK(q.size(2) % kLanes == 0, "head size ", q.size(2), " is not a multiple of ", kLanes, " lanes");
   TORCH_CHECK(page_size > 0, "page_size must be positive");
-  for (const auto* t : {&block_table, &group_start, &group_row, &positions})
-    TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->is_contiguous(), "index tensors must be contiguous int32");
-  TORCH_CHECK(group_start.size(0) == group_row.size(0) + 1, "group_start must have one entry more than group_row");
   TORCH_CHECK(positions.size(0) == q.size(0), "one position per query row");
   auto out = torch::empty_like(q);
   if (group_row.size(0) == 0) return out;

@@ -1,0 +1,56 @@
+// The call shared by the paged kernels (paged_attention.cpp, prefill_attention.cpp): query rows in
+// groups at consecutive positions of one sequence each, K/V read in place through the group's
+// block-table row. The loader puts this file in front of those kernels (after cpu_math.h).
+#pragma once
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace hybridkv_cpu {
+
+// The arguments' shapes, dtypes and layouts, checked once for either kernel.
+inline void check_paged_groups(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                               const torch::Tensor& block_table, const torch::Tensor& group_start,
+                               const torch::Tensor& group_row, const torch::Tensor& positions) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, H, D] tensor");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3, "caches must be [Hkv, slots, D]");
+  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "cache rows must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(2) && q.size(2) == v_cache.size(2), "head sizes differ");
+  for (const auto* t : {&block_table, &group_start, &group_row, &positions})
+    TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->is_contiguous(), "index tensors must be contiguous int32");
+  TORCH_CHECK(group_start.size(0) == group_row.size(0) + 1, "group_start must have one entry more than group_row");
+}
+
+// The same arguments as raw pointers, strides and sizes, for the kernels' loops.
+template <typename scalar_t>
+struct PagedGroups {
+  int64_t H, D, Hkv, grp, G;           // query heads, head size, KV heads, query heads per KV head, groups
+  const scalar_t* qp;
+  scalar_t* op;
+  const scalar_t *kp, *vp;
+  int64_t kh, ks, vh, vs;              // cache strides: per KV head, per slot
+  const int32_t* bt;
+  int64_t bt_stride, bt_width;
+  const int32_t *gs, *gr, *pos;        // group_start, group_row, positions
+  int64_t page_size, window;
+  float fscale;
+
+  PagedGroups(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+              const torch::Tensor& block_table, const torch::Tensor& group_start, const torch::Tensor& group_row,
+              const torch::Tensor& positions, int64_t page_size_, int64_t window_, double scale)
+      : H(q.size(1)), D(q.size(2)), Hkv(k_cache.size(0)), grp(q.size(1) / k_cache.size(0)), G(group_row.size(0)),
+        qp(q.data_ptr<scalar_t>()), op(out.data_ptr<scalar_t>()), kp(k_cache.data_ptr<scalar_t>()),
+        vp(v_cache.data_ptr<scalar_t>()), kh(k_cache.stride(0)), ks(k_cache.stride(1)), vh(v_cache.stride(0)),
+        vs(v_cache.stride(1)), bt(block_table.data_ptr<int32_t>()), bt_stride(block_table.stride(0)),
+        bt_width(block_table.size(1)), gs(group_start.data_ptr<int32_t>()), gr(group_row.data_ptr<int32_t>()),
+        pos(positions.data_ptr<int32_t>()), page_size(page_size_), window(window_), fscale(static_cast<float>(scale)) {}
+
+  // First position a query at position p sees (window < 0: no window).
+  int64_t window_start(int64_t p) const { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; }
+};
+
+}  // namespace hybridkv_cpu
