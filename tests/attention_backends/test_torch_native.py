@@ -14,6 +14,7 @@ import torch
 from hybridkv.attention_backends.metadata import (
     DEFAULT_TILES, StepSequences, TileSizes, build_attention_metadata,
 )
+from hybridkv.attention_backends import torch_native
 from hybridkv.attention_backends.torch_native import TorchNativeAttention
 from hybridkv.block_manager.space_spec import NULL_PAGE, window_start
 
@@ -103,11 +104,12 @@ def test_backend_matches_dense_reference_over_random_pages(window, tiles, pages,
     torch.testing.assert_close(got, step.reference(), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("window", [7, 30])
 def test_edge_masks_kept_for_the_step_serve_every_layer(window):
     """A prefill tile's edge masks are built by the first layer and kept on the step's
     PrefillSeq (layer_memo); a second layer, with other q/k/v over the same tables, must still
-    match the dense reference, and must not build new ones."""
+    match the dense reference, and must not build new ones. (Windowed spaces: without a window
+    a chunk after context takes _prefill_after_context, which builds no masks.)"""
     first = _Step(SPANS, window, seed=5)
     second = _Step(SPANS, window, seed=5, value_seed=6)
     be = backend("kernel")
@@ -121,6 +123,33 @@ def test_edge_masks_kept_for_the_step_serve_every_layer(window):
     got = be.forward(second.q, second.k, second.v, second.k_cache, second.v_cache, meta, "full", D**-0.5)
     torch.testing.assert_close(got, second.reference(), atol=1e-5, rtol=1e-5)
     assert [p.layer_memo.keys() for p in prefills] == [k.keys() for k in kept], "the second layer rebuilt masks"
+
+
+@pytest.mark.parametrize("pages", ["shuffled", "consecutive"])
+@pytest.mark.parametrize("tiles", [DEFAULT_TILES, SMALL_TILES], ids=["default_tiles", "small_tiles"])
+def test_chunks_after_context_without_a_window_match_the_reference_in_one_or_two_passes(tiles, pages, monkeypatch):
+    """No window, a chunk after cached context: a context of at most a quarter of the chunk runs
+    as one causal call behind rows of zero queries (one call per chunk); a longer one as the
+    chunk's causal call plus the context in kv_chunk blocks merged by log-sum-exp. Both must
+    match the dense reference, and neither may take the masked query tiles."""
+    spans = [(2, 1), (3, 40), (10, 40), (11, 40), (33, 20), (100, 3)]  # (10, 40): the boundary
+    step = _Step(spans, None, seed=3, pages=pages)
+    be = backend("kernel")
+    step.seqs.decode_tiles = be.needs_decode_tiles
+    meta = build_attention_metadata(step.seqs, {"full": None}, P, tiles)
+    calls = []
+    flash = torch_native._flash
+    monkeypatch.setattr(torch_native, "_flash", lambda *a, **k: calls.append(1) or flash(*a, **k))
+    got = be.forward(step.q, step.k, step.v, step.k_cache, step.v_cache, meta, "full", D**-0.5)
+    assert not got.isnan().any(), "a key outside the context read uninitialised (NaN) pool memory"
+    torch.testing.assert_close(got, step.reference(), atol=1e-5, rtol=1e-5)
+    prefills = meta.spaces["full"].prefills
+    short = [p for p in prefills if 4 * p.start <= p.query_end - p.query_start]
+    assert len(short) == 2, "the spans no longer cover both paths"
+    passes = sum(1 if p in short else 1 + len(p.key_blocks(0, p.start, tiles.kv_chunk, tiles.min_view_keys))
+                 for p in prefills)
+    assert len(calls) == passes, "a chunk took other calls than one pass, or one plus one per context block"
+    assert not any(k[0] == "edge" for p in prefills for k in p.layer_memo), "a chunk built the tiles' edge masks"
 
 
 def test_small_tiles_exercise_every_path():
