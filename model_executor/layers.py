@@ -11,6 +11,7 @@ from torch import nn
 
 from hybridkv.attention_backends.cpu_kernels.build import isa_flags
 from hybridkv.model_executor.cpu_kernels import blocked_linear_ops, fused_ops
+from hybridkv.model_executor.huge_pages import on_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +252,10 @@ class BlockedLinearWeight:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: ModuleType) -> None:
         self.ops, self.out_features = ops, weight.shape[0]
         self.weight, self.bias = weight.detach(), bias
-        self.packed = ops.pack_blocked_linear(self.weight)
+        # On huge pages like the parameters (huge_pages.py): a decode step streams this copy.
+        # Intel AMX VM, the demo model's projections x 30 layers: 1 row 15.7-16.2 -> 14.8 ms,
+        # 16 rows 25.8-27.7 -> 24.9-25.0 ms.
+        self.packed = on_huge_pages(ops.pack_blocked_linear(self.weight))
         padded = self.packed.shape[0] * self.packed.shape[2]
         self.padded_bias = None if bias is None else F.pad(bias.detach().float(), (0, padded - self.out_features))
 

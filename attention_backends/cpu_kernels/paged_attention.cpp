@@ -136,6 +136,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   // for all the group's rows.
   std::vector<const scalar_t*> row_ptrs(static_cast<size_t>(at::get_num_threads()) * 2 * kBlock);
 
+  const int64_t row_bytes = c.D * static_cast<int64_t>(sizeof(scalar_t));
   at::parallel_for(0, c.G * c.Hkv, 1, [&](int64_t begin, int64_t end) {
     float* mine = scratch_base + at::get_thread_num() * per_thread;
     float* qf = mine;
@@ -168,12 +169,26 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         std::fill(scores, scores + nr * kBlock, neg_inf);
         // The block's key and value rows, through the pages; then each row's scores over the keys
         // it may see (the others stay -inf).
-        for (int64_t t = b0; t < b0 + bl; ++t) {
-          const int64_t pi = t / page_size;
+        // A page at a time, and every line of the block's rows prefetched as its address is
+        // known: the pages are scattered, so the hardware's stream prefetcher restarts at every
+        // page, and the block's rows are all read again per query row. Intel AMX VM, 2 threads,
+        // 32 decodes, 9/3 heads, D 64, 30 layers' caches read from memory: 95 keys 9.4 -> 8.5-8.6
+        // ms (float32), 10.3 -> 9.1-9.5 (bfloat16); 550 keys 59.1 -> 54.2-55.3, 62.8 -> 51.6-52.9.
+        for (int64_t t = b0; t < b0 + bl;) {
+          const int64_t pi = t / page_size, off = t - pi * page_size;
           TORCH_CHECK(pi < c.bt_width, "position ", t, " is past the block table's ", c.bt_width, " pages");
-          const int64_t slot = static_cast<int64_t>(row_pages[pi]) * page_size + t % page_size;
-          keys[t - b0] = c.kp + h * c.kh + slot * c.ks;
-          values[t - b0] = c.vp + h * c.vh + slot * c.vs;
+          const int64_t n = std::min<int64_t>(page_size - off, b0 + bl - t);
+          const int64_t slot = static_cast<int64_t>(row_pages[pi]) * page_size + off;
+          const scalar_t* kr = c.kp + h * c.kh + slot * c.ks;
+          const scalar_t* vr = c.vp + h * c.vh + slot * c.vs;
+          for (int64_t i = 0; i < n; ++i, ++t) {
+            keys[t - b0] = kr + i * c.ks;
+            values[t - b0] = vr + i * c.vs;
+            for (int64_t o = 0; o < row_bytes; o += 64) {
+              __builtin_prefetch(reinterpret_cast<const char*>(keys[t - b0]) + o, 0, 3);
+              __builtin_prefetch(reinterpret_cast<const char*>(values[t - b0]) + o, 0, 3);
+            }
+          }
         }
 
         for (int64_t r = r0; r < r1; ++r) {

@@ -131,3 +131,19 @@ def test_a_kv_pool_is_resident_and_zero_when_it_is_made(monkeypatch, switch):
     assert pool.shape == (2, 3, 1 << 20) and pool.dtype == torch.float32
     assert resident_fraction(pool) == 1.0, "every page of the pool must be resident"
     assert not pool.any(), "the pool must start zeroed"
+
+
+@linux_thp
+def test_the_blocked_linear_copy_a_decode_streams_is_on_huge_pages():
+    """BlockedLinearWeight's column-block copy is what a decode step reads, not the parameter:
+    it must be 2 MiB-aligned and advised like the parameters, and give F.linear's result."""
+    from hybridkv.model_executor.layers import BlockedLinearWeight, blocked_linear_for
+
+    weight = torch.randn(1536, 576)  # 3.5 MiB packed
+    if (ops := blocked_linear_for(weight)) is None:
+        pytest.skip("the blocked linear serves AVX-512 CPUs with a compiler only")
+    linear = BlockedLinearWeight(weight, None, ops)
+    assert linear.packed.data_ptr() % HUGE_PAGE_BYTES == 0, "the blocked copy is not on a 2 MiB boundary"
+    assert "hg" in vma_flags(linear.packed.data_ptr()).get("VmFlags", "").split(), "the blocked copy was not advised"
+    x = torch.randn(3, 576)
+    torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-4)
