@@ -19,6 +19,9 @@ never by batch x longest context:
     (split-KV); the partial results are merged with a log-sum-exp merge into per-sequence accumulators. A short
     decode batch is one tile and one plain softmax (the fast path). (On CPU this beats
     scaled_dot_product_attention for one query token, which in bfloat16 takes a slow path.)
+  * Prefill in bfloat16 on a CPU with AMX: the AMX kernel (cpu_kernels/prefill_attention_amx.cpp,
+    both products on the tile unit, the softmax in AVX-512) takes every prefill chunk of the step
+    in one call, like the float32 kernel below.
   * Prefill on the CPU (float32; bfloat16 where the CPU lacks bf16 dot products): the C++
     prefill kernel (cpu_kernels/prefill_attention.cpp) takes every prefill chunk of the step in
     one call, reading K/V in place through the block table, blocked like a GEMM (query tiles x
@@ -46,7 +49,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from hybridkv.attention_backends.cpu_kernels import load_paged_attention, load_prefill_attention, load_write_kv
+from hybridkv.attention_backends.cpu_kernels import (load_paged_attention, load_prefill_attention,
+                                                     load_prefill_attention_amx, load_write_kv)
 from hybridkv.attention_backends.metadata import AttentionMetadata, DecodeTile, PrefillSeq, TileSizes
 from hybridkv.block_manager.space_spec import window_start
 
@@ -66,6 +70,7 @@ class TorchNativeAttention:
         on_cpu = torch.device(device).type == "cpu"
         self._paged = load_paged_attention() if cpu_kernels and on_cpu else None
         self._prefill_kernel = load_prefill_attention() if cpu_kernels and on_cpu else None
+        self._prefill_amx = load_prefill_attention_amx() if cpu_kernels and on_cpu else None
         self._write_kv = load_write_kv() if cpu_kernels and on_cpu else None
 
     @property
@@ -95,26 +100,38 @@ class TorchNativeAttention:
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decodes(q[:nd], k_cache, v_cache, meta, sm, scale)
-        if self._prefill_kernel_takes(q, k_cache):
+        kernel = self._prefill_kernel_for(q, k_cache)
+        if kernel is not None:
             starts, rows, positions = meta.prefill_groups
             window = -1 if sm.window is None else sm.window
             table = sm.block_table if sm.block_table.dtype == torch.int32 else sm.block_table.to(torch.int32)
-            out[nd:] = self._prefill_kernel(q[nd:].contiguous(), k_cache, v_cache, table, starts, rows, positions,
-                                            meta.page_size, window, scale)
+            out[nd:] = kernel(q[nd:].contiguous(), k_cache, v_cache, table, starts, rows, positions,
+                              meta.page_size, window, scale)
             return out
         for p in sm.prefills:
             out[p.query_start : p.query_end] = self._prefill(q, k, v, k_cache, v_cache, p, sm.window, scale, meta.tiles)
         return out
 
-    def _prefill_kernel_takes(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """Whether the step's prefills go to the C++ prefill kernel: CPU tensors in float32, or
-        in bfloat16 where the CPU has no bf16 dot products (the kernel computes in float32; where
-        oneDNN has them, SDPA's bf16 flash attention is faster: workload c 0.34 vs 0.44 s on the
-        AMX VM), a head size of whole vectors (16 floats covers both ISAs), cache rows
-        contiguous; else the SDPA / tile path below."""
-        return (self._prefill_kernel is not None and q.is_cpu and k_cache.is_cpu and q.dtype == k_cache.dtype
-                and q.shape[-1] % 16 == 0 and k_cache.stride(-1) == 1
-                and (q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not _native_bf16_matmuls())))
+    def _prefill_kernel_for(self, q: torch.Tensor, k_cache: torch.Tensor):
+        """The C++ kernel that takes the step's prefills, or None for the SDPA / tile path below.
+        CPU tensors of one dtype with contiguous cache rows, and then:
+        - bfloat16 on a CPU with AMX-BF16, head size a multiple of 64 up to 256: the AMX kernel
+          (cpu_kernels/prefill_attention_amx.cpp; the AMX VM, a 1,024-token causal prompt with
+          the demo model's heads: ~1.6 ms a layer against SDPA's bf16 flash attention's ~3.0);
+        - float32, or bfloat16 where the CPU has no bf16 dot products, head size a multiple of 16
+          (whole vectors on either ISA): the float32-FMA kernel (prefill_attention.cpp);
+        - bfloat16 with bf16 dot products but no AMX (Zen 5): None, since SDPA's bf16 flash
+          attention beats a kernel that computes in float32 there (workload c 0.34 vs 0.44 s when
+          measured on the AMX VM)."""
+        if not (q.is_cpu and k_cache.is_cpu and q.dtype == k_cache.dtype and k_cache.stride(-1) == 1):
+            return None
+        head = q.shape[-1]
+        if q.dtype == torch.bfloat16 and _native_bf16_matmuls():
+            takes = self._prefill_amx is not None and head % 64 == 0 and head <= 256
+            return self._prefill_amx if takes else None
+        if q.dtype in (torch.float32, torch.bfloat16) and head % 16 == 0:
+            return self._prefill_kernel
+        return None
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                slots: torch.Tensor) -> None:

@@ -30,7 +30,8 @@ import torch
 from hybridkv.attention_backends.cpu_kernels.build import ENV_SWITCH, build_cpu_extension, kernels_enabled
 
 __all__ = ["ENV_SWITCH", "build_cpu_extension", "kernels_enabled", "load_indexer_topk", "load_joint_attention",
-           "load_paged_attention", "load_paged_attention_module", "load_prefill_attention", "load_write_kv"]
+           "load_paged_attention", "load_paged_attention_module", "load_prefill_attention",
+           "load_prefill_attention_amx", "load_write_kv"]
 
 
 # The call both paged kernels take (checks and raw view), put in front of them by the loader.
@@ -86,3 +87,19 @@ def load_prefill_attention() -> Callable[..., torch.Tensor] | None:
     module = build_cpu_extension("hybridkv_prefill_attention", Path(__file__).with_name("prefill_attention.cpp"),
                                  ["prefill_attention"], "CPU prefill-attention kernel", headers=(_PAGED_GROUPS,))
     return None if module is None else module.prefill_attention
+
+
+@functools.lru_cache(maxsize=1)
+def load_prefill_attention_amx() -> Callable[..., torch.Tensor] | None:
+    """The compiled `prefill_attention_amx(...)` (load_prefill_attention's call, bfloat16 on AMX
+    tiles, head size a multiple of 64 up to 256), or None where the CPU has no AMX-BF16, the
+    process may not use the tile state, or it cannot be built here."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    if probe is None or not probe():
+        return None
+    module = build_cpu_extension("hybridkv_prefill_attention_amx", Path(__file__).with_name("prefill_attention_amx.cpp"),
+                                 ["prefill_attention_amx", "amx_available"], "CPU AMX prefill-attention kernel",
+                                 extra_cflags=("-mamx-tile", "-mamx-bf16", "-mavx512bf16"), headers=(_PAGED_GROUPS,))
+    if module is None or not module.amx_available():
+        return None
+    return module.prefill_attention_amx

@@ -80,8 +80,8 @@ inline float hsum(vfloat v) {
   return s;
 }
 
-// The sums of kLanes vectors at once: lane i of the result is the sum of acc[i]'s lanes. A
-// transposing tree of shuffles and adds (log2(kLanes) levels, kLanes - 1 adds of whole vectors)
+// The sums (or maxima, hmax_each) of kLanes vectors at once: lane i of the result is the sum of
+// acc[i]'s lanes. A transposing tree of shuffles and adds (log2(kLanes) levels, kLanes - 1 adds of whole vectors)
 // instead of kLanes scalar horizontal sums: at level s every pair (acc[i], acc[i + n/2]) becomes
 // one vector holding both halves' partial sums side by side, and pairing i with i + n/2 leaves the
 // final lanes in natural order. acc is overwritten. (GCC's __builtin_shuffle: the masks are
@@ -97,25 +97,33 @@ inline vuint split_mask(bool hi) {
   }
   return m;
 }
-template <int S>
-inline void combine_level(vfloat* acc, int n) {
+template <int S, typename Op>
+inline void combine_level(vfloat* acc, int n, Op op) {
   const vuint lo = split_mask<S>(false), hi = split_mask<S>(true);
   for (int i = 0; i < n / 2; ++i)
-    acc[i] = __builtin_shuffle(acc[i], acc[i + n / 2], lo) + __builtin_shuffle(acc[i], acc[i + n / 2], hi);
+    acc[i] = op(__builtin_shuffle(acc[i], acc[i + n / 2], lo), __builtin_shuffle(acc[i], acc[i + n / 2], hi));
+}
+template <typename Op>
+inline vfloat reduce_each(vfloat* acc, Op op) {
+  if constexpr (kLanes == 16) {
+    combine_level<16>(acc, 16, op);
+    combine_level<8>(acc, 8, op);
+    combine_level<4>(acc, 4, op);
+    combine_level<2>(acc, 2, op);
+  } else {
+    combine_level<8>(acc, 8, op);
+    combine_level<4>(acc, 4, op);
+    combine_level<2>(acc, 2, op);
+  }
+  return acc[0];
 }
 }  // namespace detail
 inline vfloat hsum_each(vfloat* acc) {
-  if constexpr (kLanes == 16) {
-    detail::combine_level<16>(acc, 16);
-    detail::combine_level<8>(acc, 8);
-    detail::combine_level<4>(acc, 4);
-    detail::combine_level<2>(acc, 2);
-  } else {
-    detail::combine_level<8>(acc, 8);
-    detail::combine_level<4>(acc, 4);
-    detail::combine_level<2>(acc, 2);
-  }
-  return acc[0];
+  return detail::reduce_each(acc, [](vfloat x, vfloat y) { return x + y; });
+}
+// The same tree with max: lane i of the result is the largest of acc[i]'s lanes.
+inline vfloat hmax_each(vfloat* acc) {
+  return detail::reduce_each(acc, [](vfloat x, vfloat y) { return x > y ? x : y; });
 }
 
 // exp(x) for x <= 0 (scores minus their row maximum), in plain arithmetic so that the loop over

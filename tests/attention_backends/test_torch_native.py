@@ -412,13 +412,19 @@ def test_prefills_through_the_cpu_kernel_match_the_sdpa_path_in_a_mixed_step(dty
     torch.testing.assert_close(outs["kernel"].float(), outs["torch"].float(), atol=tol, rtol=tol)
 
 
-def test_bfloat16_prefills_stay_on_sdpa_where_the_cpu_has_bf16_dot_products(monkeypatch):
+def test_the_prefill_kernel_follows_the_dtype_and_the_cpu(monkeypatch):
+    """float32: the float32 kernel. bfloat16: that kernel too where the CPU has no bf16 dot
+    products; where it has them, the AMX kernel (built only where there is AMX) for head sizes
+    that are multiples of 64, else SDPA (None)."""
     from hybridkv.attention_backends import torch_native
 
     be = TorchNativeAttention()
     q, kc = torch.zeros(4, 6, 64, dtype=torch.bfloat16), torch.zeros(2, 32, 64, dtype=torch.bfloat16)
     for native in (True, False):
         monkeypatch.setattr(torch_native, "_native_bf16_matmuls", lambda: native)
-        assert be._prefill_kernel_takes(q, kc) == (not native)
-        assert be._prefill_kernel_takes(q.float(), kc.float()), "float32 always takes the kernel"
-    assert not be._prefill_kernel_takes(torch.zeros(4, 6, 8), torch.zeros(2, 32, 8)), "head size 8 is not whole vectors"
+        want = be._prefill_amx if native else be._prefill_kernel
+        assert be._prefill_kernel_for(q, kc) is want
+        assert be._prefill_kernel_for(q.float(), kc.float()) is be._prefill_kernel, "float32 always takes the kernel"
+    monkeypatch.setattr(torch_native, "_native_bf16_matmuls", lambda: True)
+    assert be._prefill_kernel_for(q[..., :32], kc[..., :32]) is None, "bf16 head size 32 stays on SDPA"
+    assert be._prefill_kernel_for(torch.zeros(4, 6, 8), torch.zeros(2, 32, 8)) is None, "head size 8 is not whole vectors"

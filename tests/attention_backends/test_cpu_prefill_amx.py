@@ -1,0 +1,119 @@
+"""The AMX prefill kernel (cpu_kernels/prefill_attention_amx.cpp): bfloat16 on AMX-BF16 tiles,
+prefill_attention.cpp's call. Held to attention written from the definition, to the float32
+kernel, and to the backend's torch path in a mixed step. On a CPU without AMX the kernel is not
+built (the loader returns None) and these tests skip; where the CPU has AMX they must run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.attention_backends.cpu_kernels import load_prefill_attention, load_prefill_attention_amx
+from hybridkv.attention_backends.metadata import StepSequences, build_attention_metadata
+from hybridkv.attention_backends.torch_native import TorchNativeAttention
+
+from test_torch_native import _prefill_kernel_case  # this folder is on sys.path (rootdir-less test modules)
+
+
+def _cpu_has_amx() -> bool:
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe is not None and probe())
+
+
+@pytest.fixture(scope="module")
+def amx_kernel():
+    kernel = load_prefill_attention_amx()
+    if kernel is None:
+        assert not _cpu_has_amx(), "this CPU has AMX but the AMX prefill kernel did not build"
+        pytest.skip("no AMX on this CPU")
+    return kernel
+
+
+# bf16 inputs, float32 scores and softmax, weights rounded to bf16: SDPA's bf16 flash attention's
+# precision. Measured against float64 attention on these cases: max error ~8e-3.
+BF16_TOL = 2e-2
+
+
+@pytest.mark.parametrize("window", [None, 5, 70])
+@pytest.mark.parametrize("d, grp", [(64, 1), (64, 3), (128, 4)])
+def test_amx_prefill_kernel_matches_attention_from_the_definition(amx_kernel, window, d, grp):
+    """Chunks from position 0 (1, 7 and 300 queries: inside one 16-row tile, across tiles and
+    64-key blocks) and after a cached prefix (a short chunk late in a long context, a long one
+    after a short prefix), in one call. Each row sees the keys up to its own position inside its
+    window and nothing else: unwritten slots and pages outside the chunks are NaN, so a stray read
+    poisons the output."""
+    spans = [(0, 1), (0, 7), (0, 300), (1000, 37), (50, 200)]
+    args, want = _prefill_kernel_case(spans, window, torch.bfloat16, d, grp)
+    got = amx_kernel(*args)
+    assert not got.float().isnan().any(), "the kernel read a key outside a row's causal window"
+    torch.testing.assert_close(got.double(), want, atol=BF16_TOL, rtol=BF16_TOL)
+
+
+def test_amx_prefill_kernel_is_as_close_to_the_definition_as_the_float32_kernel():
+    """The bf16 products cost no more precision than the weights' bf16 rounding: the AMX kernel's
+    error against float64 attention is within 1.5x of the float32-FMA kernel's on the same bf16
+    inputs (that kernel rounds only its output), over a 1,024-token prompt."""
+    kernel = load_prefill_attention_amx()
+    if kernel is None:
+        assert not _cpu_has_amx(), "this CPU has AMX but the AMX prefill kernel did not build"
+        pytest.skip("no AMX on this CPU")
+    args, want = _prefill_kernel_case([(0, 1024)], None, torch.bfloat16, 64, 3, hkv=1, seed=2)
+    amx_err = (kernel(*args).double() - want).abs().max().item()
+    fma_err = (load_prefill_attention()(*args).double() - want).abs().max().item()
+    assert amx_err <= 1.5 * fma_err, f"AMX error {amx_err:.2e} against the float32 kernel's {fma_err:.2e}"
+
+
+def test_amx_prefill_kernel_output_does_not_depend_on_the_thread_count(amx_kernel):
+    """Items go to threads from a shared counter and each owns its rows: one thread or two, the
+    same bits."""
+    args, _ = _prefill_kernel_case([(0, 500), (200, 64)], None, torch.bfloat16, 64, 3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = amx_kernel(*args)
+        torch.set_num_threads(max(2, threads))
+        assert torch.equal(amx_kernel(*args), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_amx_prefill_kernel_refuses_what_it_cannot_take(amx_kernel):
+    args, _ = _prefill_kernel_case([(0, 8)], None, torch.bfloat16, 32, 1)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        amx_kernel(*args)
+    args, _ = _prefill_kernel_case([(0, 8)], None, torch.float32, 64, 1)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        amx_kernel(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_bfloat16_prefills_through_the_amx_kernel_match_the_torch_path_in_a_mixed_step(amx_kernel, window,
+                                                                                     monkeypatch):
+    """A step of decodes and prefill chunks (from 0, after a prefix) with the engine's shapes: on
+    a CPU with AMX the backend sends the bf16 prefills to the AMX kernel once, and the result
+    matches the SDPA / tile path's (cpu_kernels=False)."""
+    from hybridkv.attention_backends import torch_native
+
+    monkeypatch.setattr(torch_native, "_native_bf16_matmuls", lambda: True)
+    g = torch.Generator().manual_seed(3)
+    page, hkv, grp, d = 16, 2, 3, 64
+    spans = [(40, 1), (130, 1), (0, 90), (64, 33), (300, 120)]
+    pool = 1 + sum(-(-(s + n) // page) for s, n in spans)
+    k_cache = torch.randn(hkv, (pool + 1) * page, d, generator=g).bfloat16()
+    v_cache = torch.randn_like(k_cache)
+    perm = (torch.randperm(pool, generator=g) + 1).tolist()
+    tables = [[perm.pop() for _ in range(-(-(s + n) // page))] for s, n in spans]
+    T = sum(n for _, n in spans)
+    q, k, v = (torch.randn(T, h, d, generator=g).bfloat16() for h in (hkv * grp, hkv, hkv))
+    outs = {}
+    for name, kernels in (("kernel", True), ("torch", False)):
+        be = TorchNativeAttention(cpu_kernels=kernels)
+        seqs = StepSequences.from_page_lists([n for _, n in spans], [s + n for s, n in spans], {"full": tables})
+        seqs.decode_tiles = be.needs_decode_tiles
+        meta = build_attention_metadata(seqs, {"full": window}, page)
+        calls = []
+        if kernels:
+            assert be._prefill_amx is amx_kernel
+            be._prefill_amx = lambda *a: calls.append(1) or amx_kernel(*a)
+        outs[name] = be.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, "full", d**-0.5)
+        assert len(calls) == kernels, "the bf16 prefills did not go to the AMX kernel exactly once for the step"
+    torch.testing.assert_close(outs["kernel"].float(), outs["torch"].float(), atol=BF16_TOL, rtol=BF16_TOL)
