@@ -428,3 +428,30 @@ def test_the_prefill_kernel_follows_the_dtype_and_the_cpu(monkeypatch):
     monkeypatch.setattr(torch_native, "_native_bf16_matmuls", lambda: True)
     assert be._prefill_kernel_for(q[..., :32], kc[..., :32]) is None, "bf16 head size 32 stays on SDPA"
     assert be._prefill_kernel_for(torch.zeros(4, 6, 8), torch.zeros(2, 32, 8)) is None, "head size 8 is not whole vectors"
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_cpu_paged_kernel_in_bfloat16_loses_only_the_output_rounding(D):
+    """bf16 decodes (with AVX512-BF16, scores by vdpbf16ps on the stored rows; elsewhere widened to
+    float32) against the same kernel on the same values in float32: each output differs by at most
+    its bf16 rounding (2^-8 relative) plus float32 summation noise, so the bf16 path computes in
+    float32 throughout and rounds nothing but its result."""
+    from hybridkv.attention_backends.cpu_kernels import load_paged_attention
+
+    kernel = load_paged_attention()
+    g = torch.Generator().manual_seed(11)
+    hkv, grp, page, n = 3, 3, 16, 6
+    lens = [1, 17, 95, 300, 64, 129]
+    pages = sum(-(-x // page) for x in lens)
+    k_cache = torch.randn(hkv, (pages + 1) * page, D, generator=g).bfloat16()
+    v_cache = torch.randn_like(k_cache).bfloat16()
+    perm = (torch.randperm(pages, generator=g) + 1).tolist()
+    tables = [[perm.pop() for _ in range(-(-x // page))] for x in lens]
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(n, hkv * grp, D, generator=g).bfloat16()
+    rows = torch.arange(n + 1, dtype=torch.int32)
+    pos = torch.tensor([x - 1 for x in lens], dtype=torch.int32)
+    got = kernel(q, k_cache, v_cache, table, rows, rows[:n], pos, page, -1, D**-0.5).float()
+    want = kernel(q.float(), k_cache.float(), v_cache.float(), table, rows, rows[:n], pos, page, -1, D**-0.5)
+    assert ((got - want).abs() <= want.abs() * 2.0**-8 + 1e-5).all(), (got - want).abs().max()
