@@ -201,20 +201,47 @@ def skinny_linear_for(weight: torch.Tensor):
     return None, 0
 
 
+# Up to how many rows a bf16 linear goes through blocked_linear.cpp's vdpbf16ps kernel rather than
+# oneDNN, on CPUs with AVX512-BF16. Intel AMX VM, 2 threads, the demo model's projections x 30
+# layers, weights from memory, oneDNN / blocked ms: 1 row 16.1 / 10.1, 4 rows 16.2 / 12.4, 8 rows
+# 16.0 / 15.4, 16 rows 16.5 / 24.3 (the kernel is bound by vdpbf16ps from there; oneDNN turns to
+# AMX). Past this, oneDNN's packed copy (F.linear on the parameter: 16 rows 23.4 ms, 1,024 rows
+# 149 against oneDNN's 148).
+BLOCKED_MAX_ROWS_BF16 = 4
+
+
+def blocked_bf16_for(weight: torch.Tensor) -> ModuleType | None:
+    """cpu_kernels' blocked linear module when its bf16 kernel serves `weight` here (a CPU bf16
+    weight with an even K, a CPU with AVX512-BF16), else None."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
+        return None
+    ops = blocked_linear_ops()
+    return ops if ops is not None and ops.blocked_bf16_available() else None
+
+
 class PackedLinearWeight:
     """A weight [N, K] prepacked for oneDNN; call it like F.linear(x, weight, bias). Inputs of
-    up to `skinny_rows` rows (decode) go through cpu_kernels' skinny_linear when it is built here."""
+    up to `skinny_rows` rows (decode) go through cpu_kernels' skinny_linear when it is built here;
+    bf16 inputs of up to BLOCKED_MAX_ROWS_BF16 rows through the vdpbf16ps blocked kernel where the
+    CPU has AVX512-BF16 (one more copy of the weight: single-stream decode is where it pays)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features = weight.shape[0]
         self.weight, self.bias = weight.detach(), bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS_HINT)
         self.skinny, self.skinny_rows = skinny_linear_for(self.weight)
+        self.blocked = blocked_bf16_for(self.weight)
+        if self.blocked is not None:
+            self.blocked_packed = on_huge_pages(self.blocked.pack_blocked_linear_bf16(self.weight))
+            padded = self.blocked_packed.shape[0] * self.blocked_packed.shape[2]
+            self.padded_bias = None if bias is None else F.pad(bias.detach().float(), (0, padded - self.out_features))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] <= self.skinny_rows and x.dtype == self.weight.dtype:
+        if self.blocked is not None and x2.shape[0] <= BLOCKED_MAX_ROWS_BF16 and x.dtype == torch.bfloat16:
+            out = self.blocked.blocked_linear_bf16(x2, self.blocked_packed, self.padded_bias, self.out_features)
+        elif x2.shape[0] <= self.skinny_rows and x.dtype == self.weight.dtype:
             out = self.skinny.skinny_linear(x2, self.weight, self.bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")

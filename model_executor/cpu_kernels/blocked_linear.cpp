@@ -145,3 +145,143 @@ torch::Tensor blocked_linear(torch::Tensor x, torch::Tensor packed, c10::optiona
   });
   return y;
 }
+
+// ---- bfloat16 on AVX512-BF16 (vdpbf16ps) ---------------------------------------------------------
+//
+// The same column blocks for a bf16 weight, with k taken in pairs: [ceil(N / 16), K / 2, 16, 2], so
+// one 64-byte row of a block holds 16 columns x 2 consecutive k, the operand vdpbf16ps multiplies
+// against a broadcast pair of x (x[m][k], x[m][k + 1]) and adds into 16 float32 column sums. The
+// products of bf16 values are exact and the sums are float32, as in oneDNN's bf16 linear; the
+// result is rounded to bf16 once. For decode-sized row counts, where oneDNN's bf16 linear streams the
+// weights at ~14 GB/s of this VM's ~25 (see layers.BLOCKED_MAX_ROWS_BF16).
+namespace {
+
+bool has_avx512_bf16() {
+#if defined(__AVX512F__)
+  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512F__)
+template <int MR, int CB>
+__attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) inline void tile_bf16(
+    const uint16_t* __restrict__ x, int64_t K, const uint16_t* __restrict__ w, int64_t block_stride,
+    const float* __restrict__ bias, uint16_t* __restrict__ y, int64_t ldy, int64_t n0, int64_t cols) {
+  __m512 acc[MR][CB];
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < CB; ++c) acc[m][c] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    __m512bh wv[CB];
+    for (int c = 0; c < CB; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * block_stride + kp * 32);
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * K + 2 * kp, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < CB; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], xb, wv[c]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < CB; ++c) {
+      __m512 v = acc[m][c];
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + c * 16));
+      const __m256bh h = _mm512_cvtneps_pbh(v);
+      const int64_t n = std::min<int64_t>(16, cols - c * 16);
+      if (n == 16)
+        std::memcpy(y + m * ldy + n0 + c * 16, &h, 32);
+      else if (n > 0)
+        std::memcpy(y + m * ldy + n0 + c * 16, &h, 2 * n);
+    }
+}
+
+template <int CB>
+void rows_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t block_stride, const float* bias,
+               uint16_t* y, int64_t ldy, int64_t n0, int64_t cols) {
+  int64_t m = 0;
+  for (; m + kMR <= M; m += kMR) tile_bf16<kMR, CB>(x + m * K, K, w, block_stride, bias, y + m * ldy, ldy, n0, cols);
+  const uint16_t* xm = x + m * K;
+  uint16_t* ym = y + m * ldy;
+  switch (M - m) {
+    case 1: return tile_bf16<1, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
+    case 2: return tile_bf16<2, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
+    case 3: return tile_bf16<3, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
+    case 4: return tile_bf16<4, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
+    case 5: return tile_bf16<5, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
+    case 6: return tile_bf16<6, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
+    case 7: return tile_bf16<7, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
+  }
+}
+#endif
+
+}  // namespace
+
+bool blocked_bf16_available() { return has_avx512_bf16(); }
+
+// W [N, K] bfloat16 (K even) -> [ceil(N / 16), K / 2, 16, 2], zero-padded past N.
+torch::Tensor pack_blocked_linear_bf16(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
+              "pack_blocked_linear_bf16: weight must be [N, K] bfloat16");
+  TORCH_CHECK(weight.size(1) % 2 == 0, "pack_blocked_linear_bf16: K must be even, got ", weight.size(1));
+  const int64_t N = weight.size(0), K = weight.size(1), blocks = (N + kBlockCols - 1) / kBlockCols;
+  auto packed = torch::zeros({blocks, K / 2, kBlockCols, 2}, weight.options());
+  const auto w = weight.contiguous();
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t c = 0; c < std::min<int64_t>(kBlockCols, N - b * kBlockCols); ++c)
+        for (int64_t k = 0; k < K; ++k)
+          dst[((b * (K / 2) + k / 2) * kBlockCols + c) * 2 + k % 2] = src[(b * kBlockCols + c) * K + k];
+  });
+  return packed;
+}
+
+// x [M, K] bfloat16 against a pack_blocked_linear_bf16 weight of N output columns; bias, when
+// given, float32 with blocks * 16 entries (zero past N). Returns [M, N] bfloat16. Needs AVX512-BF16.
+torch::Tensor blocked_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N) {
+  TORCH_CHECK(has_avx512_bf16(), "blocked_linear_bf16: this CPU has no AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "blocked_linear_bf16: x must be [M, K] bfloat16");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == kBlockCols && packed.size(3) == 2 && packed.size(1) * 2 == x.size(1),
+              "blocked_linear_bf16: packed must be a pack_blocked_linear_bf16 weight of x's K");
+  const int64_t blocks = packed.size(0), K = x.size(1), M = x.size(0);
+  TORCH_CHECK(N > (blocks - 1) * kBlockCols && N <= blocks * kBlockCols,
+              "blocked_linear_bf16: N does not match the blocks");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == blocks * kBlockCols,
+                "blocked_linear_bf16: bias must be float32 padded to whole blocks");
+    b = bias->data_ptr<float>();
+  }
+  const auto xc = x.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+#if defined(__AVX512F__)
+  if (M == 0) return y;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t stride = K * kBlockCols;  // elements per block
+  const int64_t groups = (blocks + kCB - 1) / kCB;
+  const int64_t row_tiles = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t tile_rows = (M + row_tiles - 1) / row_tiles;
+  at::parallel_for(0, row_tiles * groups, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t m0 = i / groups * tile_rows, mr = std::min<int64_t>(tile_rows, M - m0);
+      const int64_t c0 = i % groups * kCB, cb = std::min<int64_t>(kCB, blocks - c0);
+      const uint16_t* xm = xp + m0 * K;
+      uint16_t* ym = yp + m0 * N;
+      if (cb == kCB) {
+        rows_bf16<kCB>(xm, mr, K, w + c0 * stride, stride, b, ym, N, c0 * kBlockCols,
+                       std::min<int64_t>(kCB * kBlockCols, N - c0 * kBlockCols));
+      } else {
+        for (int64_t c = c0; c < c0 + cb; ++c)
+          rows_bf16<1>(xm, mr, K, w + c * stride, stride, b, ym, N, c * kBlockCols,
+                       std::min<int64_t>(kBlockCols, N - c * kBlockCols));
+      }
+    }
+  });
+#endif
+  return y;
+}

@@ -69,3 +69,60 @@ def test_mismatched_shapes_are_refused():
         ops.blocked_linear(torch.randn(3, 8), packed, None, 40)
     with pytest.raises(RuntimeError, match="bias"):
         ops.blocked_linear(torch.randn(3, 8), packed, torch.zeros(20), 20)
+
+
+# -- bfloat16 through vdpbf16ps (CPUs with AVX512-BF16) ------------------------------------------
+
+needs_bf16 = pytest.mark.skipif(ops is None or not ops.blocked_bf16_available(), reason="no AVX512-BF16 here")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 300])
+@pytest.mark.parametrize("n, k", [(1, 6), (16, 64), (17, 38), (47, 64), (100, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_blocked_linear_bf16_rounds_the_exact_product_once(rows, n, k, with_bias):
+    """bf16 x and W, float32 sums of exact products, one rounding to bf16 at the end: every output
+    is within one bf16 rounding (2^-8 relative) of the float64 result, plus float32 summation
+    noise. Row counts past one 8-row register block and one 256-row tile, widths ending inside a
+    16-column block and inside a 3-block group."""
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g) if with_bias else None
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    packed = ops.pack_blocked_linear_bf16(w)
+    bias = None if b is None else F.pad(b, (0, packed.shape[0] * 16 - n))
+    got = ops.blocked_linear_bf16(x, packed, bias, n)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    want = x.double() @ w.double().T + (0 if b is None else b.double())
+    assert ((got.double() - want).abs() <= want.abs() * 2.0**-8 + 1e-4).all(), (got.double() - want).abs().max()
+
+
+@needs_bf16
+def test_bf16_packed_linear_sends_up_to_blocked_max_rows_bf16_to_the_kernel_and_more_to_onednn(monkeypatch):
+    """The layer's bf16 path: at most BLOCKED_MAX_ROWS_BF16 rows through the vdpbf16ps kernel,
+    more through oneDNN; both agree with F.linear to bf16 precision."""
+    if not layers.packing_supported(torch.zeros(1, 1, dtype=torch.bfloat16)):
+        pytest.skip("no oneDNN bf16 packing here")
+    w, b = torch.randn(40, 64).bfloat16(), torch.randn(40).bfloat16()
+    linear = layers.PackedLinearWeight(w, b)
+    assert linear.blocked is ops
+    calls = []
+    real = ops.blocked_linear_bf16
+    monkeypatch.setattr(linear, "blocked", type("Spy", (), {"blocked_linear_bf16": staticmethod(
+        lambda *a: calls.append(a[0].shape[0]) or real(*a))})())
+    for rows in (1, layers.BLOCKED_MAX_ROWS_BF16, layers.BLOCKED_MAX_ROWS_BF16 + 1):
+        x = torch.randn(rows, 64).bfloat16()
+        torch.testing.assert_close(linear(x).float(), F.linear(x.float(), w.float(), b.float()), atol=0.1, rtol=2e-2)
+    assert calls == [1, layers.BLOCKED_MAX_ROWS_BF16]
+
+
+@needs_bf16
+def test_blocked_linear_bf16_refuses_what_it_cannot_take():
+    with pytest.raises(RuntimeError, match="K must be even"):
+        ops.pack_blocked_linear_bf16(torch.randn(20, 7).bfloat16())
+    packed = ops.pack_blocked_linear_bf16(torch.randn(20, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="x must be"):
+        ops.blocked_linear_bf16(torch.randn(3, 8), packed, None, 20)
+    with pytest.raises(RuntimeError, match="N does not match"):
+        ops.blocked_linear_bf16(torch.randn(3, 8).bfloat16(), packed, None, 40)
+    assert layers.blocked_bf16_for(torch.randn(20, 7).bfloat16()) is None, "odd K keeps oneDNN"
