@@ -11,6 +11,17 @@
 
 namespace hybridkv_cpu {
 
+// Whether the CPU has AVX512-BF16 (vdpbf16ps), for kernels built for AVX-512 that use it on the
+// CPUs that have it (Sapphire Rapids, Zen 4 and later) and keep their float32 loops elsewhere.
+inline bool cpu_has_avx512_bf16() {
+#if defined(__AVX512F__)
+  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
+#else
+  return false;
+#endif
+}
+
 // One vector register of floats, in GCC's vector extensions: the compiler emits AVX-512 or AVX2
 // code from the ISA flags the loader passes (build.py), and plain code elsewhere.
 #if defined(__AVX512F__)

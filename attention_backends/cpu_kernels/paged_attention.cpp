@@ -162,16 +162,6 @@ __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) void block_score
 }
 #endif
 
-// Whether block_scores_dpbf16 can run here (built for AVX-512, and the CPU has AVX512-BF16).
-bool has_dpbf16() {
-#if defined(__AVX512F__)
-  static const bool yes = __builtin_cpu_supports("avx512bf16");
-  return yes;
-#else
-  return false;
-#endif
-}
-
 // The two loops for any head size: the vectorized ones where D is 4, 8 or 16 vectors, else plain.
 // q_raw: the query row as the model gave it (for the bf16 dot-product path); q: widened and scaled.
 template <typename scalar_t>
@@ -179,7 +169,7 @@ void scores_row(const float* q, const scalar_t* q_raw, float scale, const scalar
                 int64_t hi, int64_t D) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same<scalar_t, c10::BFloat16>::value) {
-    if (has_dpbf16()) switch (D * (D % 32 == 0)) {
+    if (hybridkv_cpu::cpu_has_avx512_bf16()) switch (D * (D % 32 == 0)) {
         case 64: return block_scores_dpbf16<2>(q_raw, scale, keys, s, lo, hi);
         case 128: return block_scores_dpbf16<4>(q_raw, scale, keys, s, lo, hi);
         case 256: return block_scores_dpbf16<8>(q_raw, scale, keys, s, lo, hi);

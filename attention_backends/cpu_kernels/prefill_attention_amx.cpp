@@ -4,9 +4,10 @@
 // block table, causal, optionally windowed) for bfloat16 on a CPU with AMX-BF16: both products
 // run on the tile unit, the online softmax between them in AVX-512. The float32-FMA kernel and
 // SDPA's bf16 flash attention (which does not use AMX at these shapes) both run at ~300
-// GFLOP/s on two cores; the tile unit does 1,024 bf16 multiply-adds a cycle, so here the
-// softmax's exponentials are the cost, not the products.
-//
+// GFLOP/s on two cores. Here, on the Intel AMX VM (1,024-token causal prompt, 9 / 3 heads, D
+// 64): ~1.3-1.6 ms a layer against SDPA's 2.8-3.3, of which the tile work alone is ~0.6-1.1 ms
+// and the softmax alone ~0.5 (each measured with the other removed); they overlap in part.
+
 // Precision is that of SDPA's bf16 flash attention: scores and the softmax in float32, the
 // weights rounded to bf16 for the second product, accumulation in float32.
 //
@@ -20,10 +21,12 @@
 //  2. Attend. A work item is (group, KV head, 16 query rows); rows are the group's queries x
 //     the query heads under the KV head (GQA folded in), so one tile of Q serves up to 16 rows.
 //     Per key block: S [16 x 64] = Q . K^T (four 16 x 16 float tiles), masked where a key lies
-//     after a row's query or before its window; row maxima, rescale, P = exp(S - max) in bf16;
-//     O += P . V (tiles of 16 d), then O = O * alpha + that in float32. Blocks no row of the
-//     item may see are skipped. Items run largest first from a shared counter, like the
-//     float32 kernel's.
+//     after a row's query or before its window; the rows' block maxima, P = 2^(S log2 e - max)
+//     in bf16 and its sums; O += P . V with O's float32 rows loaded into the accumulator tiles
+//     and stored back. A row's running maximum moves only when a block's exceeds it by more
+//     than 8 (log2 units), so O and the sums are rescaled rarely. The next block's scores are
+//     issued before this block's softmax. Blocks no row of the item may see are skipped. Items
+//     run largest first from a shared counter, like the float32 kernel's.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

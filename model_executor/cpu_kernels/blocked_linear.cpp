@@ -156,15 +156,6 @@ torch::Tensor blocked_linear(torch::Tensor x, torch::Tensor packed, c10::optiona
 // weights at ~14 GB/s of this VM's ~25 (see layers.BLOCKED_MAX_ROWS_BF16).
 namespace {
 
-bool has_avx512_bf16() {
-#if defined(__AVX512F__)
-  static const bool yes = __builtin_cpu_supports("avx512bf16");
-  return yes;
-#else
-  return false;
-#endif
-}
-
 #if defined(__AVX512F__)
 template <int MR, int CB>
 __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) inline void tile_bf16(
@@ -217,7 +208,7 @@ void rows_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64
 
 }  // namespace
 
-bool blocked_bf16_available() { return has_avx512_bf16(); }
+bool blocked_bf16_available() { return hybridkv_cpu::cpu_has_avx512_bf16(); }
 
 // W [N, K] bfloat16 (K even) -> [ceil(N / 16), K / 2, 16, 2], zero-padded past N.
 torch::Tensor pack_blocked_linear_bf16(torch::Tensor weight) {
@@ -241,7 +232,7 @@ torch::Tensor pack_blocked_linear_bf16(torch::Tensor weight) {
 // x [M, K] bfloat16 against a pack_blocked_linear_bf16 weight of N output columns; bias, when
 // given, float32 with blocks * 16 entries (zero past N). Returns [M, N] bfloat16. Needs AVX512-BF16.
 torch::Tensor blocked_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N) {
-  TORCH_CHECK(has_avx512_bf16(), "blocked_linear_bf16: this CPU has no AVX512-BF16");
+  TORCH_CHECK(hybridkv_cpu::cpu_has_avx512_bf16(), "blocked_linear_bf16: this CPU has no AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "blocked_linear_bf16: x must be [M, K] bfloat16");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.size(2) == kBlockCols && packed.size(3) == 2 && packed.size(1) * 2 == x.size(1),
