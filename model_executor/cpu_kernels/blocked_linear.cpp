@@ -84,6 +84,33 @@ void rows(const float* x, int64_t M, int64_t K, const float* w, int64_t block_st
   static_assert(kMR <= 8, "the remainder switch covers kMR - 1 rows");
 }
 
+// The work items of either dtype's kernel: (row tile, group of kCB column blocks), row tile outer;
+// full(x, rows, w, y, n0, cols) takes a whole group, one(...) the last, narrower group's blocks one
+// at a time. Row tiles are of equal size (at most kRowBlock): 300 rows are two tiles of 150, not
+// 256 + 44. A block is K * kBlockCols elements in either layout.
+template <typename T, typename Full, typename One>
+void for_each_item(const T* xp, int64_t M, int64_t K, const T* w, int64_t blocks, T* yp, int64_t N, Full full,
+                   One one) {
+  const int64_t stride = K * kBlockCols;
+  const int64_t groups = (blocks + kCB - 1) / kCB;
+  const int64_t row_tiles = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t tile_rows = (M + row_tiles - 1) / row_tiles;
+  at::parallel_for(0, row_tiles * groups, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t m0 = i / groups * tile_rows, mr = std::min<int64_t>(tile_rows, M - m0);
+      const int64_t c0 = i % groups * kCB, cb = std::min<int64_t>(kCB, blocks - c0);
+      if (cb == kCB) {
+        full(xp + m0 * K, mr, w + c0 * stride, yp + m0 * N, c0 * kBlockCols,
+             std::min<int64_t>(kCB * kBlockCols, N - c0 * kBlockCols));
+      } else {
+        for (int64_t c = c0; c < c0 + cb; ++c)
+          one(xp + m0 * K, mr, w + c * stride, yp + m0 * N, c * kBlockCols,
+              std::min<int64_t>(kBlockCols, N - c * kBlockCols));
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // W [N, K] float32 -> [ceil(N / 16), K, 16], zero-padded past N.
@@ -124,25 +151,14 @@ torch::Tensor blocked_linear(torch::Tensor x, torch::Tensor packed, c10::optiona
   const float* w = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t stride = K * kBlockCols;  // floats per block
-  const int64_t groups = (blocks + kCB - 1) / kCB;
-  // Row tiles of equal size (at most kRowBlock): 300 rows are two tiles of 150, not 256 + 44.
-  const int64_t row_tiles = (M + kRowBlock - 1) / kRowBlock;
-  const int64_t tile_rows = (M + row_tiles - 1) / row_tiles;
-  at::parallel_for(0, row_tiles * groups, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t m0 = i / groups * tile_rows, mr = std::min<int64_t>(tile_rows, M - m0);
-      const int64_t c0 = i % groups * kCB, cb = std::min<int64_t>(kCB, blocks - c0);
-      const float* xm = xp + m0 * K;
-      float* ym = yp + m0 * N;
-      if (cb == kCB) {
-        rows<kCB>(xm, mr, K, w + c0 * stride, stride, b, ym, N, c0 * kBlockCols,
-                  std::min<int64_t>(kCB * kBlockCols, N - c0 * kBlockCols));
-      } else {  // the last, narrower group: one block at a time
-        for (int64_t c = c0; c < c0 + cb; ++c)
-          rows<1>(xm, mr, K, w + c * stride, stride, b, ym, N, c * kBlockCols, std::min<int64_t>(kBlockCols, N - c * kBlockCols));
-      }
-    }
-  });
+  for_each_item(
+      xp, M, K, w, blocks, yp, N,
+      [&](const float* x, int64_t mr, const float* wb, float* yr, int64_t n0, int64_t cols) {
+        rows<kCB>(x, mr, K, wb, stride, b, yr, N, n0, cols);
+      },
+      [&](const float* x, int64_t mr, const float* wb, float* yr, int64_t n0, int64_t cols) {
+        rows<1>(x, mr, K, wb, stride, b, yr, N, n0, cols);
+      });
   return y;
 }
 
@@ -254,25 +270,14 @@ torch::Tensor blocked_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::op
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t stride = K * kBlockCols;  // elements per block
-  const int64_t groups = (blocks + kCB - 1) / kCB;
-  const int64_t row_tiles = (M + kRowBlock - 1) / kRowBlock;
-  const int64_t tile_rows = (M + row_tiles - 1) / row_tiles;
-  at::parallel_for(0, row_tiles * groups, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t m0 = i / groups * tile_rows, mr = std::min<int64_t>(tile_rows, M - m0);
-      const int64_t c0 = i % groups * kCB, cb = std::min<int64_t>(kCB, blocks - c0);
-      const uint16_t* xm = xp + m0 * K;
-      uint16_t* ym = yp + m0 * N;
-      if (cb == kCB) {
-        rows_bf16<kCB>(xm, mr, K, w + c0 * stride, stride, b, ym, N, c0 * kBlockCols,
-                       std::min<int64_t>(kCB * kBlockCols, N - c0 * kBlockCols));
-      } else {
-        for (int64_t c = c0; c < c0 + cb; ++c)
-          rows_bf16<1>(xm, mr, K, w + c * stride, stride, b, ym, N, c * kBlockCols,
-                       std::min<int64_t>(kBlockCols, N - c * kBlockCols));
-      }
-    }
-  });
+  for_each_item(
+      xp, M, K, w, blocks, yp, N,
+      [&](const uint16_t* x, int64_t mr, const uint16_t* wb, uint16_t* yr, int64_t n0, int64_t cols) {
+        rows_bf16<kCB>(x, mr, K, wb, stride, b, yr, N, n0, cols);
+      },
+      [&](const uint16_t* x, int64_t mr, const uint16_t* wb, uint16_t* yr, int64_t n0, int64_t cols) {
+        rows_bf16<1>(x, mr, K, wb, stride, b, yr, N, n0, cols);
+      });
 #endif
   return y;
 }
