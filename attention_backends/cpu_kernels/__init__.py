@@ -29,13 +29,15 @@ import torch
 
 from hybridkv.attention_backends.cpu_kernels.build import ENV_SWITCH, build_cpu_extension, kernels_enabled
 
-__all__ = ["ENV_SWITCH", "build_cpu_extension", "kernels_enabled", "load_indexer_topk", "load_joint_attention",
+__all__ = ["AMX_TILES_HEADER", "ENV_SWITCH", "build_cpu_extension", "kernels_enabled", "load_indexer_topk", "load_joint_attention",
            "load_paged_attention", "load_paged_attention_module", "load_prefill_attention",
            "load_prefill_attention_amx", "load_write_kv"]
 
 
 # The call both paged kernels take (checks and raw view), put in front of them by the loader.
 _PAGED_GROUPS = Path(__file__).with_name("paged_groups.h")
+# Tile configuration and the AMX permission check, for every kernel on the tile unit.
+AMX_TILES_HEADER = Path(__file__).with_name("amx_tiles.h")
 
 
 @functools.lru_cache(maxsize=1)
@@ -99,7 +101,7 @@ def load_prefill_attention_amx() -> Callable[..., torch.Tensor] | None:
         return None
     module = build_cpu_extension("hybridkv_prefill_attention_amx", Path(__file__).with_name("prefill_attention_amx.cpp"),
                                  ["prefill_attention_amx", "amx_available"], "CPU AMX prefill-attention kernel",
-                                 extra_cflags=("-mamx-tile", "-mamx-bf16", "-mavx512bf16"), headers=(_PAGED_GROUPS,))
+                                 extra_cflags=("-mamx-tile", "-mamx-bf16", "-mavx512bf16"), headers=(AMX_TILES_HEADER, _PAGED_GROUPS))
     if module is None or not module.amx_available():
         return None
     return module.prefill_attention_amx

@@ -30,10 +30,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -50,40 +47,10 @@ constexpr int64_t kKeyBlock = 64;  // keys per online-softmax block: four 16-key
 constexpr int64_t kMaxHead = 256;  // head sizes up to this (a multiple of 64) take this kernel
 constexpr float kNoMax = -1e30f;   // the running maximum before any key (as in the float32 kernel)
 
-// Tile registers: 0-3 accumulators (C), 4 the A operand, 5-6 B operands; every tile is 16
-// rows of 64 bytes (16 floats, or 32 bf16, or 16 bf16 pairs).
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-void configure_tiles() {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  for (int t = 0; t < 7; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
-
-// AMX-BF16 on this CPU, and the kernel's permission to use the tile state (Linux gives it to a
-// process on request, once).
-bool amx_ready() {
-  static const bool ready = [] {
-    unsigned int a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool tile = (d >> 24) & 1, bf16 = (d >> 22) & 1;
-    if (!tile || !bf16) return false;
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtileData = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtileData) == 0;
-  }();
-  return ready;
-}
+// Tile registers (amx_tiles.h configures all 8 as 16 x 64 bytes): 0-3 accumulators (C), 4 the A
+// operand, 5-6 B operands.
+using hybridkv_amx::amx_ready;
+using hybridkv_amx::configure_tiles;
 
 // 2^x for x <= 0 (scores times log2(e) minus their running maximum): x = n + r with n an
 // integer and |r| <= 1/2, 2^r by its degree-5 Taylor polynomial in r ln 2 (relative error below

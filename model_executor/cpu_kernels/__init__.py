@@ -18,7 +18,9 @@ import functools
 from pathlib import Path
 from types import ModuleType
 
-from hybridkv.attention_backends.cpu_kernels import build_cpu_extension
+import torch
+
+from hybridkv.attention_backends.cpu_kernels import AMX_TILES_HEADER, build_cpu_extension
 
 _FUNCTIONS = ["skinny_linear", "rms_norm", "rotary", "silu_and_mul", "hc_sinkhorn_"]
 
@@ -39,3 +41,18 @@ def blocked_linear_ops() -> ModuleType | None:
     return build_cpu_extension("hybridkv_blocked_linear", Path(__file__).with_name("blocked_linear.cpp"),
                                ["pack_blocked_linear", "blocked_linear", "pack_blocked_linear_bf16",
                                 "blocked_linear_bf16", "blocked_bf16_available"], "CPU blocked linear")
+
+
+@functools.lru_cache(maxsize=1)
+def amx_linear_ops() -> ModuleType | None:
+    """amx_linear.cpp compiled (`amx_linear_bf16`, `amx_available`): the bf16 linear on AMX tiles
+    from blocked_linear.cpp's bf16 layout, or None where the CPU has no AMX-BF16, the process may
+    not use the tile state, or it cannot be built here."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    if probe is None or not probe():
+        return None
+    module = build_cpu_extension("hybridkv_amx_linear", Path(__file__).with_name("amx_linear.cpp"),
+                                 ["amx_linear_bf16", "amx_available"], "CPU AMX linear",
+                                 extra_cflags=("-mamx-tile", "-mamx-bf16", "-mavx512bf16"),
+                                 headers=(AMX_TILES_HEADER,))
+    return module if module is not None and module.amx_available() else None

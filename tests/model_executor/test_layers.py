@@ -31,6 +31,7 @@ def no_avx512(monkeypatch):
     monkeypatch.setattr(layers, "cpu_supports_prepack", unsupported)
     monkeypatch.setattr(layers, "cpu_computes_natively", lambda dtype: dtype == torch.float32)
     monkeypatch.setattr(layers, "blocked_linear_for", lambda weight: None)  # AVX2: no blocked linear
+    monkeypatch.setattr(layers, "amx_linear_for", lambda weight: None)  # nor AMX
     return asked
 
 
