@@ -55,6 +55,18 @@ inline void micro(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t blo
   if constexpr (RT == 2 && CB == 2) _tile_stored(3, c + 768, 64);
 }
 
+// Two column blocks' 16 x 16 float tiles (c, c + 256) of y (+ bias) as whole 64-byte rows of y:
+// half-line writes of one tile at a time made the 1,024 x 3,072 gate/up projection ~10% slower.
+inline void store_pair(const float* c, const float* bias, int64_t rows, uint16_t* y, int64_t ldy) {
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(_mm512_load_ps(c + 256 + r * 16), b1),
+                                                   _mm512_add_ps(_mm512_load_ps(c + r * 16), b0));
+    _mm512_storeu_si512(y + r * ldy, v);
+  }
+}
+
 // One 16 x 16 float tile of y (+ bias) into rows [0, rows) and columns [0, cols) of y at `y`.
 inline void store_tile(const float* c, const float* bias, int64_t rows, int64_t cols, uint16_t* y, int64_t ldy) {
   const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
@@ -116,6 +128,11 @@ torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::option
         for (int r = 0; r < rt; ++r) {
           const int64_t m0 = (t + r) * kTileRows, rows = std::min<int64_t>(kTileRows, M - m0);
           if (rows <= 0) continue;
+          if (cb == 2 && N - b0 * kBlockCols >= 2 * kBlockCols) {
+            const int64_t n0 = b0 * kBlockCols;
+            store_pair(c + r * 512, bias_p ? bias_p + n0 : nullptr, rows, yp + m0 * N + n0, N);
+            continue;
+          }
           for (int64_t j = 0; j < cb; ++j) {
             const int64_t n0 = (b0 + j) * kBlockCols, cols = std::min<int64_t>(kBlockCols, N - n0);
             store_tile(c + (r * 2 + j) * 256, bias_p ? bias_p + n0 : nullptr, rows, cols, yp + m0 * N + n0, N);
