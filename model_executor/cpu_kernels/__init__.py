@@ -45,14 +45,15 @@ def blocked_linear_ops() -> ModuleType | None:
 
 @functools.lru_cache(maxsize=1)
 def amx_linear_ops() -> ModuleType | None:
-    """amx_linear.cpp compiled (`amx_linear_bf16`, `amx_available`): the bf16 linear on AMX tiles
-    from blocked_linear.cpp's bf16 layout, or None where the CPU has no AMX-BF16, the process may
+    """amx_linear.cpp compiled (`amx_linear_bf16`, `amx_linear_silu_mul_bf16`, `amx_available`):
+    the bf16 linear on AMX tiles from blocked_linear.cpp's bf16 layout, or None where the CPU has no AMX-BF16, the process may
     not use the tile state, or it cannot be built here."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     if probe is None or not probe():
         return None
     module = build_cpu_extension("hybridkv_amx_linear", Path(__file__).with_name("amx_linear.cpp"),
-                                 ["amx_linear_bf16", "amx_available"], "CPU AMX linear",
-                                 extra_cflags=("-mamx-tile", "-mamx-bf16", "-mavx512bf16"),
+                                 ["amx_linear_bf16", "amx_linear_silu_mul_bf16", "amx_available"], "CPU AMX linear",
+                                 # -ffp-contract=off: the fused SiLU rounds as fused_ops' silu_and_mul does
+                                 extra_cflags=("-mamx-tile", "-mamx-bf16", "-mavx512bf16", "-ffp-contract=off"),
                                  headers=(AMX_TILES_HEADER,))
     return module if module is not None and module.amx_available() else None

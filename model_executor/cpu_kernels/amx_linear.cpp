@@ -17,6 +17,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -28,10 +29,18 @@ constexpr int64_t kTileK = 32;       // k per tile (16 pairs)
 constexpr int64_t kChunkRows = 256;  // rows of x per work item (its slice of x stays in L2)
 
 // Tiles: 0-3 accumulators C[row tile][column block] = 0 + 2 r + c, 4-5 A (row tiles), 6-7 B.
-// RT row tiles x CB column blocks (each 1 or 2) of y over all of K; the C tiles go to `c`
-// ([RT * 2 + CB][16 x 16] floats).
-template <int RT, int CB>
-inline void micro(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t block_stride, int64_t kchunks, float* c) {
+// RT row tiles x CB column blocks (each 1 or 2) of y over all of K; the second column block's
+// weights start `second` elements after the first's (the next block, or the up projection's
+// block for the fused SiLU). The C tiles go to `c` ([RT * 2 + CB][16 x 16] floats).
+//
+// `pending(n)` runs up to n rows of the previous call's epilogue (rounding, bias, SiLU, the
+// stores to y: vector work on the other C buffer); a few rows per k chunk, the rest before this
+// call's tile stores. Run after the previous call instead, the epilogue waited for its tile
+// stores and the tile unit waited for the epilogue: 1,024 x 3,072 x 576 took ~2.6 ms of which the
+// tile work alone is ~1.4.
+template <int RT, int CB, class Pending>
+inline void micro(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t second, int64_t kchunks, float* c,
+                  Pending& pending, int64_t rows_per_chunk) {
   _tile_zero(0);
   if constexpr (CB == 2) _tile_zero(1);
   if constexpr (RT == 2) _tile_zero(2);
@@ -40,7 +49,7 @@ inline void micro(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t blo
   for (int64_t kc = 0; kc < kchunks; ++kc) {
     _tile_loadd(4, a + kc * kTileK, a_stride);
     _tile_loadd(6, b + kc * kTileK * kBlockCols, 64);
-    if constexpr (CB == 2) _tile_loadd(7, b + block_stride + kc * kTileK * kBlockCols, 64);
+    if constexpr (CB == 2) _tile_loadd(7, b + second + kc * kTileK * kBlockCols, 64);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (CB == 2) _tile_dpbf16ps(1, 4, 7);
     if constexpr (RT == 2) {
@@ -48,32 +57,128 @@ inline void micro(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t blo
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (CB == 2) _tile_dpbf16ps(3, 5, 7);
     }
+    pending(rows_per_chunk);
   }
+  pending(2 * kTileRows);
   _tile_stored(0, c, 64);
   if constexpr (CB == 2) _tile_stored(1, c + 256, 64);
   if constexpr (RT == 2) _tile_stored(2, c + 512, 64);
   if constexpr (RT == 2 && CB == 2) _tile_stored(3, c + 768, 64);
 }
 
-// Two column blocks' 16 x 16 float tiles (c, c + 256) of y (+ bias) as whole 64-byte rows of y:
-// half-line writes of one tile at a time made the 1,024 x 3,072 gate/up projection ~10% slower.
-inline void store_pair(const float* c, const float* bias, int64_t rows, uint16_t* y, int64_t ldy) {
-  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(_mm512_load_ps(c + 256 + r * 16), b1),
-                                                   _mm512_add_ps(_mm512_load_ps(c + r * 16), b0));
-    _mm512_storeu_si512(y + r * ldy, v);
+// The micro-kernel calls over row tiles [t0, t1) (two at a time) against one pair of column
+// blocks, each call's epilogue deferred into the next (see micro): row(c, m, i) writes row i of
+// the call's C tiles (c, row i of its first row tile at y row m), for rows below M.
+template <int CB, class Row>
+inline void row_tiles(const uint16_t* xp, int64_t K, int64_t M, int64_t t0, int64_t t1, const uint16_t* wb,
+                      int64_t second, Row& row) {
+  alignas(64) float c[2][4 * 256];
+  const float* done = nullptr;  // the previous call's C tiles
+  int64_t done_m = 0, done_rows = 0, next = 0;
+  auto pending = [&](int64_t n) {
+    for (; n > 0 && next < done_rows; --n, ++next) row(done + (next / kTileRows) * 512 + (next % kTileRows) * 16, done_m + next);
+  };
+  const int64_t kchunks = K / kTileK, rows_per_chunk = (2 * kTileRows + kchunks - 1) / kchunks;
+  int buf = 0;
+  for (int64_t t = t0; t < t1; t += 2, buf ^= 1) {
+    const uint16_t* a = xp + t * kTileRows * K;
+    const bool two = t + 1 < t1;
+    if (two) micro<2, CB>(a, K, wb, second, kchunks, c[buf], pending, rows_per_chunk);
+    else micro<1, CB>(a, K, wb, second, kchunks, c[buf], pending, rows_per_chunk);
+    done = c[buf];
+    done_m = t * kTileRows;
+    done_rows = std::min<int64_t>((two ? 2 : 1) * kTileRows, M - done_m);
+    next = 0;
   }
+  pending(2 * kTileRows);
 }
 
-// One 16 x 16 float tile of y (+ bias) into rows [0, rows) and columns [0, cols) of y at `y`.
-inline void store_tile(const float* c, const float* bias, int64_t rows, int64_t cols, uint16_t* y, int64_t ldy) {
+// One row of two column blocks' C tiles (c, c + 256) (+ bias) as a whole 64-byte row of y:
+// half-line writes of one tile at a time made the 1,024 x 3,072 gate/up projection ~10% slower.
+inline void store_pair_row(const float* c, const float* bias, uint16_t* y) {
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  _mm512_storeu_si512(y, (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(_mm512_load_ps(c + 256), b1),
+                                                      _mm512_add_ps(_mm512_load_ps(c), b0)));
+}
+
+// One row of one C tile (+ bias) into columns [0, cols) of y.
+inline void store_row(const float* c, const float* bias, int64_t cols, uint16_t* y) {
   const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m256bh h = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c + r * 16), bv));
-    std::memcpy(y + r * ldy, &h, 2 * cols);
-  }
+  const __m256bh h = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c), bv));
+  std::memcpy(y, &h, 2 * cols);
+}
+
+// silu(x) for 16 lanes, operation for operation fused_ops' silu_and_mul: x * (x >= 0 ? 1 : e) / (1 + e)
+// with e = hybridkv_cpu::exp_nonpositive(-|x|) (Cephes' expf; every product and sum rounded on its
+// own, as -ffp-contract=off builds both), so the bits agree. Written with intrinsics because
+// GCC left that scalar loop unvectorized at 16 iterations (~2 ns an element).
+inline __m512 silu16(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.f), lo = _mm512_set1_ps(-87.3f);
+  const __m512 ax = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x));  // -|x|
+  const __mmask16 live = _mm512_cmp_ps_mask(ax, lo, _CMP_GE_OQ);          // false for NaN, as !(x >= lo)
+  const __m512 xc = _mm512_mask_blend_ps(live, lo, ax);
+  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                                      _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  const __m512 r2 = _mm512_mul_ps(r, r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, r2), r), one);
+  const __m512 scale = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+  const __m512 e = _mm512_maskz_mul_ps(live, p, scale);
+  const __mmask16 nonneg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+  return _mm512_mul_ps(x, _mm512_div_ps(_mm512_mask_blend_ps(nonneg, e, one), _mm512_add_ps(one, e)));
+}
+
+// v rounded to bf16 (nearest even) and widened back.
+inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// silu(gate) * up for one row of a gate and an up C tile (+ their biases) into 16 outputs of y:
+// what fused_ops' silu_and_mul does to this kernel's rounded output -- gate and up rounded to
+// bf16 first, silu of the gate rounded to bf16, times up, rounded once more -- so the fused call
+// gives the unfused pair's bits.
+inline void store_silu_mul_row(const float* c_gate, const float* c_up, const float* bias_gate, const float* bias_up,
+                               uint16_t* y) {
+  const __m512 bg = bias_gate ? _mm512_loadu_ps(bias_gate) : _mm512_setzero_ps();
+  const __m512 bu = bias_up ? _mm512_loadu_ps(bias_up) : _mm512_setzero_ps();
+  const __m512 g = round_bf16(_mm512_add_ps(_mm512_load_ps(c_gate), bg));
+  const __m512 u = round_bf16(_mm512_add_ps(_mm512_load_ps(c_up), bu));
+  const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(round_bf16(silu16(g)), u));
+  std::memcpy(y, &h, 32);
+}
+
+// The checks both entry points share; returns the bias pointer (or nullptr).
+const float* check_call(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                        int64_t N, const char* name) {
+  TORCH_CHECK(hybridkv_amx::amx_ready(), name, ": this CPU or process cannot use AMX-BF16 tiles");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, name, ": x must be [M, K] bfloat16");
+  TORCH_CHECK(x.size(1) % kTileK == 0, name, ": K must be a multiple of 32, got ", x.size(1));
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == kBlockCols && packed.size(3) == 2 && packed.size(1) * 2 == x.size(1),
+              name, ": packed must be a pack_blocked_linear_bf16 weight of x's K");
+  const int64_t blocks = packed.size(0);
+  TORCH_CHECK(N > (blocks - 1) * kBlockCols && N <= blocks * kBlockCols, name, ": N does not match the blocks");
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == blocks * kBlockCols,
+              name, ": bias must be float32 padded to whole blocks");
+  return bias->data_ptr<float>();
+}
+
+// x with whole 16-row tiles: itself, or a zero-padded copy when M is not a multiple of 16.
+torch::Tensor padded_rows(const torch::Tensor& x) {
+  const int64_t M = x.size(0), Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
+  const torch::Tensor xc = x.contiguous();
+  return Mp == M ? xc : torch::constant_pad_nd(xc, {0, 0, 0, Mp - M});
 }
 
 }  // namespace
@@ -83,62 +188,75 @@ bool amx_available() { return hybridkv_amx::amx_ready(); }
 // x [M, K] bfloat16 (K a multiple of 32) against a pack_blocked_linear_bf16 weight of N output
 // columns; bias, when given, float32 with blocks * 16 entries (zero past N). Returns [M, N] bf16.
 torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N) {
-  TORCH_CHECK(hybridkv_amx::amx_ready(), "amx_linear_bf16: this CPU or process cannot use AMX-BF16 tiles");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "amx_linear_bf16: x must be [M, K] bfloat16");
-  TORCH_CHECK(x.size(1) % kTileK == 0, "amx_linear_bf16: K must be a multiple of 32, got ", x.size(1));
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(2) == kBlockCols && packed.size(3) == 2 && packed.size(1) * 2 == x.size(1),
-              "amx_linear_bf16: packed must be a pack_blocked_linear_bf16 weight of x's K");
+  const float* bias_p = check_call(x, packed, bias, N, "amx_linear_bf16");
   const int64_t blocks = packed.size(0), K = x.size(1), M = x.size(0);
-  TORCH_CHECK(N > (blocks - 1) * kBlockCols && N <= blocks * kBlockCols, "amx_linear_bf16: N does not match the blocks");
-  const float* bias_p = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == blocks * kBlockCols,
-                "amx_linear_bf16: bias must be float32 padded to whole blocks");
-    bias_p = bias->data_ptr<float>();
-  }
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
-  // Whole row tiles: a zero-padded copy of x when M is not a multiple of 16 (tile loads read 16 rows).
-  const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
-  torch::Tensor xc = x.contiguous();
-  if (Mp != M) xc = torch::constant_pad_nd(xc, {0, 0, 0, Mp - M});
+  const torch::Tensor xc = padded_rows(x);
+  const int64_t Mp = xc.size(0);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const int64_t block_stride = K * kBlockCols, kchunks = K / kTileK;
+  const int64_t block_stride = K * kBlockCols;
   const int64_t pairs = (blocks + 1) / 2;
   // Row chunks of equal size in whole tiles (at most kChunkRows rows).
   const int64_t tiles = Mp / kTileRows, chunk_count = (Mp + kChunkRows - 1) / kChunkRows;
   const int64_t chunk_tiles = (tiles + chunk_count - 1) / chunk_count;
   at::parallel_for(0, chunk_count * pairs, 1, [&](int64_t i0, int64_t i1) {
     hybridkv_amx::configure_tiles();
-    alignas(64) float c[4 * 256];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t0 = i / pairs * chunk_tiles, t1 = std::min(tiles, t0 + chunk_tiles);
-      const int64_t b0 = i % pairs * 2, cb = std::min<int64_t>(2, blocks - b0);
+      const int64_t b0 = i % pairs * 2, cb = std::min<int64_t>(2, blocks - b0), n0 = b0 * kBlockCols;
+      const float* bias0 = bias_p ? bias_p + n0 : nullptr;
       const uint16_t* wb = w + b0 * block_stride;
-      for (int64_t t = t0; t < t1; t += 2) {
-        const int rt = t + 1 < t1 ? 2 : 1;
-        const uint16_t* a = xp + t * kTileRows * K;
-        if (rt == 2 && cb == 2) micro<2, 2>(a, K, wb, block_stride, kchunks, c);
-        else if (rt == 2) micro<2, 1>(a, K, wb, block_stride, kchunks, c);
-        else if (cb == 2) micro<1, 2>(a, K, wb, block_stride, kchunks, c);
-        else micro<1, 1>(a, K, wb, block_stride, kchunks, c);
-        for (int r = 0; r < rt; ++r) {
-          const int64_t m0 = (t + r) * kTileRows, rows = std::min<int64_t>(kTileRows, M - m0);
-          if (rows <= 0) continue;
-          if (cb == 2 && N - b0 * kBlockCols >= 2 * kBlockCols) {
-            const int64_t n0 = b0 * kBlockCols;
-            store_pair(c + r * 512, bias_p ? bias_p + n0 : nullptr, rows, yp + m0 * N + n0, N);
-            continue;
-          }
-          for (int64_t j = 0; j < cb; ++j) {
-            const int64_t n0 = (b0 + j) * kBlockCols, cols = std::min<int64_t>(kBlockCols, N - n0);
-            store_tile(c + (r * 2 + j) * 256, bias_p ? bias_p + n0 : nullptr, rows, cols, yp + m0 * N + n0, N);
-          }
-        }
+      if (cb == 2 && N - n0 >= 2 * kBlockCols) {
+        auto row = [&](const float* c, int64_t m) { store_pair_row(c, bias0, yp + m * N + n0); };
+        row_tiles<2>(xp, K, M, t0, t1, wb, block_stride, row);
+      } else {  // the last pair: one block, or two of which the second ends inside
+        auto row = [&](const float* c, int64_t m) {
+          for (int64_t j = 0; j < cb; ++j)
+            store_row(c + j * 256, bias0 ? bias0 + j * kBlockCols : nullptr,
+                      std::min<int64_t>(kBlockCols, N - n0 - j * kBlockCols), yp + m * N + n0 + j * kBlockCols);
+        };
+        if (cb == 2) row_tiles<2>(xp, K, M, t0, t1, wb, block_stride, row);
+        else row_tiles<1>(xp, K, M, t0, t1, wb, block_stride, row);
       }
+    }
+    _tile_release();
+  });
+  return y;
+}
+
+// silu(gate) * up of a fused gate/up projection: packed holds the gate's N / 2 output columns then
+// the up's (N / 2 a multiple of 16), bias likewise. Returns [M, N / 2] bf16, bit for bit
+// fused_ops.silu_and_mul(amx_linear_bf16(x, packed, bias, N)), without writing the [M, N]
+// projection to memory and reading it back. Work items are (row chunk, gate block j); each
+// multiplies blocks j and j + N / 32 together (one 2-block micro-kernel call per row pair).
+torch::Tensor amx_linear_silu_mul_bf16(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                                       int64_t N) {
+  const float* bias_p = check_call(x, packed, bias, N, "amx_linear_silu_mul_bf16");
+  TORCH_CHECK(N % (2 * kBlockCols) == 0, "amx_linear_silu_mul_bf16: N / 2 must be a multiple of 16, got N = ", N);
+  const int64_t K = x.size(1), M = x.size(0), I = N / 2, half = I / kBlockCols;
+  auto y = torch::empty({M, I}, x.options());
+  if (M == 0) return y;
+  const torch::Tensor xc = padded_rows(x);
+  const int64_t Mp = xc.size(0);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t block_stride = K * kBlockCols;
+  const int64_t tiles = Mp / kTileRows, chunk_count = (Mp + kChunkRows - 1) / kChunkRows;
+  const int64_t chunk_tiles = (tiles + chunk_count - 1) / chunk_count;
+  at::parallel_for(0, chunk_count * half, 1, [&](int64_t i0, int64_t i1) {
+    hybridkv_amx::configure_tiles();
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t0 = i / half * chunk_tiles, t1 = std::min(tiles, t0 + chunk_tiles), j = i % half;
+      const float* bias_gate = bias_p ? bias_p + j * kBlockCols : nullptr;
+      const float* bias_up = bias_p ? bias_p + I + j * kBlockCols : nullptr;
+      auto row = [&](const float* c, int64_t m) {
+        store_silu_mul_row(c, c + 256, bias_gate, bias_up, yp + m * I + j * kBlockCols);
+      };
+      row_tiles<2>(xp, K, M, t0, t1, w + j * block_stride, half * block_stride, row);
     }
     _tile_release();
   });

@@ -109,3 +109,53 @@ def test_fast_linear_puts_bf16_weights_on_amx_for_every_row_count(ops):
         assert got.shape == want.shape and got.dtype == torch.bfloat16
         assert ((got.double() - want).abs() <= want.abs() * 2.0**-8 + 1e-2).all()
     assert not isinstance(layers.fast_linear(torch.randn(40, 48).bfloat16()), layers.AmxLinearWeight)
+
+
+# -- the gate/up projection with silu(gate) * up in its epilogue ----------------------------------
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 33, 300])
+@pytest.mark.parametrize("i, k", [(16, 32), (48, 64), (96, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_silu_gives_the_unfused_pairs_bits(ops, rows, i, k, with_bias):
+    """amx_linear_silu_mul_bf16 is fused_ops.silu_and_mul(amx_linear_bf16(...)) bit for bit: the
+    gate and up rounded to bf16, silu with the same exp, each product rounded as torch does."""
+    from hybridkv.model_executor.cpu_kernels import fused_ops
+
+    blocked, amx = ops
+    g = torch.Generator().manual_seed(rows * 1000 + i + k)
+    w = (torch.randn(2 * i, k, generator=g) * 0.3).bfloat16()
+    b = torch.randn(2 * i, generator=g) if with_bias else None
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    x[0, :4] = torch.tensor([60.0, -60.0, 0.0, -0.0])  # large gates on either side of exp's range
+    packed, bias = _packed(blocked, w, b)
+    want = fused_ops().silu_and_mul(amx.amx_linear_bf16(x, packed, bias, 2 * i))
+    got = amx.amx_linear_silu_mul_bf16(x, packed, bias, 2 * i)
+    assert got.shape == (rows, i) and torch.equal(got, want)
+    gate, up = F.linear(x.double(), w.double(), None if b is None else b.double()).split(i, dim=-1)
+    exact = F.silu(gate) * up
+    assert ((got.double() - exact).abs() <= exact.abs() * 2.0**-6 + 0.05).all(), "far from silu(gate) * up"
+
+
+def test_fused_silu_refuses_a_projection_it_cannot_split(ops):
+    blocked, amx = ops
+    packed = blocked.pack_blocked_linear_bf16(torch.randn(48, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="N / 2 must be a multiple of 16"):
+        amx.amx_linear_silu_mul_bf16(torch.randn(3, 64).bfloat16(), packed, None, 48)
+
+
+def test_silu_mlp_takes_the_fused_projection_with_the_same_bits(ops, monkeypatch):
+    """SiluAndMulMLP in bf16 with its weights on AMX goes through the fused call once per forward,
+    and its output equals the unfused projection + silu_and_mul path exactly."""
+    torch.manual_seed(0)
+    mlp = layers.SiluAndMulMLP(64, 48).bfloat16()
+    layers.pack_linear_weights(mlp)
+    projection = mlp.gate_up_proj.forward
+    assert isinstance(projection, layers.AmxLinearWeight) and projection.fuses_silu
+    x = torch.randn(2, 5, 64).bfloat16()
+    calls = []
+    real = projection.silu_and_mul
+    monkeypatch.setattr(projection, "silu_and_mul", lambda v: calls.append(v.shape) or real(v))
+    fused = mlp(x)
+    assert calls == [x.shape] and fused.shape == (2, 5, 64)
+    monkeypatch.setattr(projection, "fuses_silu", False)
+    assert torch.equal(fused, mlp(x)) and len(calls) == 1
