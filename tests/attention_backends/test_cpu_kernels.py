@@ -16,13 +16,22 @@ from hybridkv.attention_backends.torch_native import TorchNativeAttention
 P, H, HKV, D = 4, 4, 2, 8
 
 
+# Every loader the backend calls when it is built: each is cached per process, so one that ran
+# while a test switched the kernels off would hand None to every later test (the AMX prefill
+# tests failed that way when this file ran before them in a fresh process).
+_BACKEND_LOADERS = (cpu_kernels.load_paged_attention_module, cpu_kernels.load_prefill_attention,
+                    cpu_kernels.load_prefill_attention_amx)
+
+
 @pytest.fixture
 def fresh_loader():
-    """load_paged_attention_module is cached per process: clear it around the test (the next user
-    reloads the compiled module from the build cache)."""
-    cpu_kernels.load_paged_attention_module.cache_clear()
+    """Clear the backend's cached loaders around the test (the next user reloads the compiled
+    modules from the build cache)."""
+    for loader in _BACKEND_LOADERS:
+        loader.cache_clear()
     yield
-    cpu_kernels.load_paged_attention_module.cache_clear()
+    for loader in _BACKEND_LOADERS:
+        loader.cache_clear()
 
 
 def _decode_step():
@@ -76,11 +85,15 @@ def test_a_failed_build_falls_back_to_torch_with_one_warning(fresh_loader, monke
     monkeypatch.setattr(cpp_extension, "load_inline", no_compiler)
     with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
         backend = TorchNativeAttention()
-        TorchNativeAttention()  # the outcome is cached: one attempt, one warning
+        first = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+        TorchNativeAttention()  # the outcomes are cached: one attempt per kernel, one warning each
     assert backend.needs_decode_tiles
-    warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
-    assert len(warnings) == 1 and "g++: not found" in warnings[0].getMessage()
-    cpu_kernels.load_paged_attention_module.cache_clear()
+    warnings = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+    kernels = [w.split(" unavailable")[0] for w in warnings]
+    assert first and warnings == first and len(set(kernels)) == len(kernels), warnings
+    assert all("g++: not found" in w for w in warnings)
+    for loader in _BACKEND_LOADERS:
+        loader.cache_clear()
     monkeypatch.undo()
     with_kernel = TorchNativeAttention()
     assert not with_kernel.needs_decode_tiles, "the CPU paged kernel did not build on this machine"
