@@ -558,10 +558,21 @@ def test_inverse_cdf_keeps_a_tiny_token_at_the_end_of_a_large_vocabulary():
     assert sampler_mod._inverse_cdf(probs, u).item() == vocab - 1
 
 
-def test_random_rows_draw_in_row_chunks_like_all_at_once(monkeypatch):
+@pytest.mark.parametrize("block", [1, 7, 16, 50, 64])
+def test_the_two_level_draw_picks_what_one_running_sum_picks(monkeypatch, block):
+    """Block sums then the sum inside the block give the token a float64 running sum over the
+    whole row gives: blocks that divide the vocabulary and blocks that leave a padded tail, rows
+    with zero-probability stretches (never drawn), a one-hot row."""
     torch.manual_seed(3)
-    probs = torch.randn(7, 50).softmax(-1)
-    u = torch.rand(7, dtype=torch.float64)
-    whole = sampler_mod._inverse_cdf(probs, u)
-    monkeypatch.setattr(sampler_mod, "INVERSE_CDF_ROWS", 2)
-    assert torch.equal(sampler_mod._inverse_cdf(probs, u), whole)
+    probs = torch.randn(9, 50).softmax(-1)
+    probs[1, 10:40] = 0.0
+    probs[2] = 0.0
+    probs[2, 37] = 1.0
+    u = torch.rand(9, dtype=torch.float64)
+    u[0] = 0.0
+    cdf = probs.double().cumsum(-1)
+    want = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    monkeypatch.setattr(sampler_mod, "INVERSE_CDF_BLOCK", block)
+    got = sampler_mod._inverse_cdf(probs, u)
+    assert torch.equal(got, want) and got[2] == 37
+    assert (probs.gather(1, got.unsqueeze(1)) > 0).all(), "a zero-probability token was drawn"
