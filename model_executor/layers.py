@@ -311,10 +311,10 @@ class AmxLinearWeight:
     """A bfloat16 weight [N, K] in blocked_linear.cpp's bf16 column blocks, multiplied on AMX tiles
     (amx_linear.cpp) for every row count; call it like F.linear(x, weight, bias). Intel AMX VM,
     2 threads, the demo model's projections x 30 layers, weights from memory, oneDNN's packed bf16
-    linear / this, ms: 1 row 15.0 / 9.5, 4 rows 13.0 / 9.3, 16 rows 15.6 / 9.7, 32 rows 16.9 / 11.6,
-    64 rows 19.1 / 15.8, 128 rows 25.3 / 23.6, 256 rows 35-42 / 37-41, 1,024 rows 133-145 / 119-128.
-    It replaces oneDNN's packed copy (and the vdpbf16ps path's), so the weight memory stays the
-    parameter plus one copy. Inputs of another dtype take F.linear on the parameter."""
+    linear / this, ms: 1 row 13.1 / 8.7, 4 rows 12.6 / 8.7, 16 rows 13.1 / 8.2, 32 rows 14.8 / 9.5,
+    64 rows 16.8 / 11.8, 128 rows 21.9 / 17.1, 256 rows 28.7 / 26.0, 1,024 rows 116.8 / 88.2 (one
+    sitting). It replaces oneDNN's packed copy (and the vdpbf16ps path's), so the weight memory
+    stays the parameter plus one copy. Inputs of another dtype take F.linear on the parameter."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: tuple[ModuleType, ModuleType]) -> None:
         blocked, self.amx = ops
