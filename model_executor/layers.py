@@ -429,8 +429,9 @@ def pack_linear_weights(model: nn.Module) -> int:
         linear = fast_linear(module.weight, module.bias)
         if linear is not None:
             module.forward = linear  # instance attribute shadows nn.Linear.forward
-        counts = {BlockedLinearWeight: blocked_by_dtype, AmxLinearWeight: amx_by_dtype,
-                  PackedLinearWeight: packed_by_dtype, WidenedLinearWeight: widened_by_dtype}.get(type(linear), plain_by_dtype)
+        by_type = {BlockedLinearWeight: blocked_by_dtype, AmxLinearWeight: amx_by_dtype,
+                   PackedLinearWeight: packed_by_dtype, WidenedLinearWeight: widened_by_dtype}
+        counts = by_type.get(type(linear), plain_by_dtype)
         counts[dtype] = counts.get(dtype, 0) + 1
     capability = torch.backends.cpu.get_cpu_capability()
     for dtype, n in blocked_by_dtype.items():
