@@ -184,6 +184,30 @@ torch::Tensor padded_rows(const torch::Tensor& x) {
   return Mp == M ? xc : torch::constant_pad_nd(xc, {0, 0, 0, Mp - M});
 }
 
+// The loop both entry points share: x padded to whole tiles and cut into equal row chunks of at
+// most kChunkRows; work items (row chunk, column unit), rows outer, over torch's threads, each
+// thread with the tiles configured. item(xp, t0, t1, unit) runs row tiles [t0, t1) of the padded
+// x (xp) against one column unit (a pair of blocks, or a gate block and its up block).
+template <class Item>
+void for_each_item(const torch::Tensor& x, int64_t units, Item item) {
+  const torch::Tensor xc = padded_rows(x);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const int64_t tiles = xc.size(0) / kTileRows, chunk_count = (xc.size(0) + kChunkRows - 1) / kChunkRows;
+  const int64_t chunk_tiles = (tiles + chunk_count - 1) / chunk_count;
+  at::parallel_for(0, chunk_count * units, 1, [&](int64_t i0, int64_t i1) {
+    hybridkv_amx::configure_tiles();
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t0 = i / units * chunk_tiles;
+      item(xp, t0, std::min(tiles, t0 + chunk_tiles), i % units);
+    }
+    _tile_release();
+  });
+}
+
+inline const uint16_t* bf16_bits(const torch::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
 }  // namespace
 
 bool amx_available() { return hybridkv_amx::amx_ready(); }
@@ -195,37 +219,26 @@ torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::option
   const int64_t blocks = packed.size(0), K = x.size(1), M = x.size(0);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
-  const torch::Tensor xc = padded_rows(x);
-  const int64_t Mp = xc.size(0);
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const uint16_t* w = bf16_bits(packed);
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t block_stride = K * kBlockCols;
   const int64_t pairs = (blocks + 1) / 2;
-  // Row chunks of equal size in whole tiles (at most kChunkRows rows).
-  const int64_t tiles = Mp / kTileRows, chunk_count = (Mp + kChunkRows - 1) / kChunkRows;
-  const int64_t chunk_tiles = (tiles + chunk_count - 1) / chunk_count;
-  at::parallel_for(0, chunk_count * pairs, 1, [&](int64_t i0, int64_t i1) {
-    hybridkv_amx::configure_tiles();
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t0 = i / pairs * chunk_tiles, t1 = std::min(tiles, t0 + chunk_tiles);
-      const int64_t b0 = i % pairs * 2, cb = std::min<int64_t>(2, blocks - b0), n0 = b0 * kBlockCols;
-      const float* bias0 = bias_p ? bias_p + n0 : nullptr;
-      const uint16_t* wb = w + b0 * block_stride;
-      if (cb == 2 && N - n0 >= 2 * kBlockCols) {
-        auto row = [&](const float* c, int64_t m) { store_pair_row(c, bias0, yp + m * N + n0); };
-        row_tiles<2>(xp, K, M, t0, t1, wb, block_stride, row);
-      } else {  // the last pair: one block, or two of which the second ends inside
-        auto row = [&](const float* c, int64_t m) {
-          for (int64_t j = 0; j < cb; ++j)
-            store_row(c + j * 256, bias0 ? bias0 + j * kBlockCols : nullptr,
-                      std::min<int64_t>(kBlockCols, N - n0 - j * kBlockCols), yp + m * N + n0 + j * kBlockCols);
-        };
-        if (cb == 2) row_tiles<2>(xp, K, M, t0, t1, wb, block_stride, row);
-        else row_tiles<1>(xp, K, M, t0, t1, wb, block_stride, row);
-      }
+  for_each_item(x, pairs, [&](const uint16_t* xp, int64_t t0, int64_t t1, int64_t pair) {
+    const int64_t b0 = pair * 2, cb = std::min<int64_t>(2, blocks - b0), n0 = b0 * kBlockCols;
+    const float* bias0 = bias_p ? bias_p + n0 : nullptr;
+    const uint16_t* wb = w + b0 * block_stride;
+    if (cb == 2 && N - n0 >= 2 * kBlockCols) {
+      auto row = [&](const float* c, int64_t m) { store_pair_row(c, bias0, yp + m * N + n0); };
+      row_tiles<2>(xp, K, M, t0, t1, wb, block_stride, row);
+    } else {  // the last pair: one block, or two of which the second ends inside
+      auto row = [&](const float* c, int64_t m) {
+        for (int64_t j = 0; j < cb; ++j)
+          store_row(c + j * 256, bias0 ? bias0 + j * kBlockCols : nullptr,
+                    std::min<int64_t>(kBlockCols, N - n0 - j * kBlockCols), yp + m * N + n0 + j * kBlockCols);
+      };
+      if (cb == 2) row_tiles<2>(xp, K, M, t0, t1, wb, block_stride, row);
+      else row_tiles<1>(xp, K, M, t0, t1, wb, block_stride, row);
     }
-    _tile_release();
   });
   return y;
 }
@@ -242,26 +255,16 @@ torch::Tensor amx_linear_silu_mul_bf16(torch::Tensor x, torch::Tensor packed, c1
   const int64_t K = x.size(1), M = x.size(0), I = N / 2, half = I / kBlockCols;
   auto y = torch::empty({M, I}, x.options());
   if (M == 0) return y;
-  const torch::Tensor xc = padded_rows(x);
-  const int64_t Mp = xc.size(0);
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const uint16_t* w = bf16_bits(packed);
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t block_stride = K * kBlockCols;
-  const int64_t tiles = Mp / kTileRows, chunk_count = (Mp + kChunkRows - 1) / kChunkRows;
-  const int64_t chunk_tiles = (tiles + chunk_count - 1) / chunk_count;
-  at::parallel_for(0, chunk_count * half, 1, [&](int64_t i0, int64_t i1) {
-    hybridkv_amx::configure_tiles();
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t0 = i / half * chunk_tiles, t1 = std::min(tiles, t0 + chunk_tiles), j = i % half;
-      const float* bias_gate = bias_p ? bias_p + j * kBlockCols : nullptr;
-      const float* bias_up = bias_p ? bias_p + I + j * kBlockCols : nullptr;
-      auto row = [&](const float* c, int64_t m) {
-        store_silu_mul_row(c, c + 256, bias_gate, bias_up, yp + m * I + j * kBlockCols);
-      };
-      row_tiles<2>(xp, K, M, t0, t1, w + j * block_stride, half * block_stride, row);
-    }
-    _tile_release();
+  for_each_item(x, half, [&](const uint16_t* xp, int64_t t0, int64_t t1, int64_t j) {
+    const float* bias_gate = bias_p ? bias_p + j * kBlockCols : nullptr;
+    const float* bias_up = bias_p ? bias_p + I + j * kBlockCols : nullptr;
+    auto row = [&](const float* c, int64_t m) {
+      store_silu_mul_row(c, c + 256, bias_gate, bias_up, yp + m * I + j * kBlockCols);
+    };
+    row_tiles<2>(xp, K, M, t0, t1, w + j * block_stride, half * block_stride, row);
   });
   return y;
 }

@@ -64,25 +64,36 @@ inline void tile(const float* __restrict__ x, int64_t K, const float* __restrict
   }
 }
 
-// Rows [0, M) of x against CB column blocks: kMR rows at a time, then the remainder.
-template <int CB>
-void rows(const float* x, int64_t M, int64_t K, const float* w, int64_t block_stride, const float* bias, float* y,
-          int64_t ldy, int64_t n0, int64_t cols) {
+// Rows [0, M) of x against one register group of column blocks: kMR rows at a time, then the
+// remainder. Tile::run<MR>(x, ...) multiplies MR rows: FloatTile<CB> here, Bf16Tile<CB> below.
+template <class Tile, typename T>
+void rows(const T* x, int64_t M, int64_t K, const T* w, int64_t block_stride, const float* bias, T* y, int64_t ldy,
+          int64_t n0, int64_t cols) {
   int64_t m = 0;
-  for (; m + kMR <= M; m += kMR) tile<kMR, CB>(x + m * K, K, w, block_stride, bias, y + m * ldy, ldy, n0, cols);
-  const float* xm = x + m * K;
-  float* ym = y + m * ldy;
+  for (; m + kMR <= M; m += kMR)
+    Tile::template run<kMR>(x + m * K, K, w, block_stride, bias, y + m * ldy, ldy, n0, cols);
+  const T* xm = x + m * K;
+  T* ym = y + m * ldy;
   switch (M - m) {
-    case 1: return tile<1, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
-    case 2: return tile<2, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
-    case 3: return tile<3, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
-    case 4: return tile<4, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
-    case 5: return tile<5, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
-    case 6: return tile<6, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
-    case 7: return tile<7, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
+    case 1: return Tile::template run<1>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
+    case 2: return Tile::template run<2>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
+    case 3: return Tile::template run<3>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
+    case 4: return Tile::template run<4>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
+    case 5: return Tile::template run<5>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
+    case 6: return Tile::template run<6>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
+    case 7: return Tile::template run<7>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
   }
   static_assert(kMR <= 8, "the remainder switch covers kMR - 1 rows");
 }
+
+template <int CB>
+struct FloatTile {
+  template <int MR>
+  static void run(const float* x, int64_t K, const float* w, int64_t block_stride, const float* bias, float* y,
+                  int64_t ldy, int64_t n0, int64_t cols) {
+    tile<MR, CB>(x, K, w, block_stride, bias, y, ldy, n0, cols);
+  }
+};
 
 // The work items of either dtype's kernel: (row tile, group of kCB column blocks), row tile outer;
 // full(x, rows, w, y, n0, cols) takes a whole group, one(...) the last, narrower group's blocks one
@@ -154,10 +165,10 @@ torch::Tensor blocked_linear(torch::Tensor x, torch::Tensor packed, c10::optiona
   for_each_item(
       xp, M, K, w, blocks, yp, N,
       [&](const float* x, int64_t mr, const float* wb, float* yr, int64_t n0, int64_t cols) {
-        rows<kCB>(x, mr, K, wb, stride, b, yr, N, n0, cols);
+        rows<FloatTile<kCB>>(x, mr, K, wb, stride, b, yr, N, n0, cols);
       },
       [&](const float* x, int64_t mr, const float* wb, float* yr, int64_t n0, int64_t cols) {
-        rows<1>(x, mr, K, wb, stride, b, yr, N, n0, cols);
+        rows<FloatTile<1>>(x, mr, K, wb, stride, b, yr, N, n0, cols);
       });
   return y;
 }
@@ -204,22 +215,13 @@ __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) inline void tile
 }
 
 template <int CB>
-void rows_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t block_stride, const float* bias,
-               uint16_t* y, int64_t ldy, int64_t n0, int64_t cols) {
-  int64_t m = 0;
-  for (; m + kMR <= M; m += kMR) tile_bf16<kMR, CB>(x + m * K, K, w, block_stride, bias, y + m * ldy, ldy, n0, cols);
-  const uint16_t* xm = x + m * K;
-  uint16_t* ym = y + m * ldy;
-  switch (M - m) {
-    case 1: return tile_bf16<1, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
-    case 2: return tile_bf16<2, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
-    case 3: return tile_bf16<3, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
-    case 4: return tile_bf16<4, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
-    case 5: return tile_bf16<5, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
-    case 6: return tile_bf16<6, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
-    case 7: return tile_bf16<7, CB>(xm, K, w, block_stride, bias, ym, ldy, n0, cols);
+struct Bf16Tile {
+  template <int MR>
+  static void run(const uint16_t* x, int64_t K, const uint16_t* w, int64_t block_stride, const float* bias,
+                  uint16_t* y, int64_t ldy, int64_t n0, int64_t cols) {
+    tile_bf16<MR, CB>(x, K, w, block_stride, bias, y, ldy, n0, cols);
   }
-}
+};
 #endif
 
 }  // namespace
@@ -273,10 +275,10 @@ torch::Tensor blocked_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::op
   for_each_item(
       xp, M, K, w, blocks, yp, N,
       [&](const uint16_t* x, int64_t mr, const uint16_t* wb, uint16_t* yr, int64_t n0, int64_t cols) {
-        rows_bf16<kCB>(x, mr, K, wb, stride, b, yr, N, n0, cols);
+        rows<Bf16Tile<kCB>>(x, mr, K, wb, stride, b, yr, N, n0, cols);
       },
       [&](const uint16_t* x, int64_t mr, const uint16_t* wb, uint16_t* yr, int64_t n0, int64_t cols) {
-        rows_bf16<1>(x, mr, K, wb, stride, b, yr, N, n0, cols);
+        rows<Bf16Tile<1>>(x, mr, K, wb, stride, b, yr, N, n0, cols);
       });
 #endif
   return y;
