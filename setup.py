@@ -36,6 +36,9 @@ setup(
         "gguf",  # converts the built-in demo model's GGUF to a HF folder
         "jinja2",
         "ninja",  # builds the CPU kernels (attention_backends/ and model_executor/cpu_kernels) with the system g++
+        # Intel's OpenMP runtime (libiomp5), loaded by `import hybridkv` before torch: libgomp's spinning
+        # workers stall every join when a server shares its cores (hybridkv/openmp_runtime.py).
+        "intel-openmp>=2024.2,<2025; platform_machine == 'x86_64' and sys_platform == 'linux'",
     ],
     extras_require={
         # The storage tier's Redis backend (hicache_storage_backend="redis"); the default file

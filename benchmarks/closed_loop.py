@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 
+import hybridkv  # noqa: F401  (before torch: the OpenMP runtime the CLI gets, see hybridkv/openmp_runtime.py)
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

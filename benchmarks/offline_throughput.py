@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-
+import hybridkv  # noqa: F401  (before torch: the OpenMP runtime the CLI gets, see hybridkv/openmp_runtime.py)
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, also when loaded by path

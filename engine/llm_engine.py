@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from hybridkv import OPENMP_RUNTIME
 from hybridkv.block_manager.kv_cache_manager import KVCacheManager, windowed_live_pages
 from hybridkv.block_manager.space_spec import SpaceSpec
 from hybridkv.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_CAP_BYTES, EngineConfig, resolve_device
@@ -114,7 +115,8 @@ class LLMEngine:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        logger.info("CPU compute threads: %d (of %s cores)", torch.get_num_threads(), os.cpu_count())
+        logger.info("CPU compute threads: %d (of %s cores); %s", torch.get_num_threads(), os.cpu_count(),
+                    OPENMP_RUNTIME.describe())
         if config.device == "cpu" and torch.cuda.is_available():
             logger.info("a CUDA device is visible but device='cpu' (the default): pass device='cuda' "
                         "(--device cuda) to run on it")

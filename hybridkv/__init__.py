@@ -16,7 +16,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from hybridkv.openmp_runtime import OpenMPRuntime, select as _select_openmp_runtime
+
 __version__ = "0.1.0"
+
+# Before anything imports torch: Intel's OpenMP runtime where installed (openmp_runtime.py says why).
+OPENMP_RUNTIME: OpenMPRuntime = _select_openmp_runtime()
 
 _PUBLIC = {
     "LLM": "hybridkv.entrypoints.llm",
