@@ -4,9 +4,10 @@ Why: torch's CPU wheel ships GNU libgomp, whose idle workers spin on the cores b
 regions. Alone in a process that costs nothing, but a server shares its two cores with the HTTP
 threads and, in the benchmarks, with the load generator: a worker that lost its core holds every
 join of the step until the scheduler gives it back. Measured on the 2-core Intel AMX VM (bf16 demo
-model, `vllm bench serve`, 64 x (512 in, 64 out) at concurrency 16, one sitting): 1.36-1.70 req/s
-and a 125-152 ms mean TPOT with libgomp, 3.35-3.48 req/s and 61-63 ms with libiomp5; offline
-workloads moved by -1% to 6%. vLLM's CPU build preloads the same library for the same reason.
+model, `vllm bench serve`, 64 x (512 in, 64 out) at concurrency 16; alternating runs of one
+sitting): 1.90 / 2.09 req/s and a 113 / 104 ms mean TPOT with libgomp (HYBRIDKV_OPENMP=gnu), 3.39
+/ 3.41 req/s and 64 / 62 ms with libiomp5. Offline, alone on the cores, it changes little: workload
+a 6% faster, b 1-3%, c the same. vLLM's CPU build preloads the same library (its env.sh).
 
 How: `select()` runs first thing in `import hybridkv`, before anything imports torch. It loads
 libiomp5 (the `intel-openmp` wheel puts it in the environment's lib/) with RTLD_GLOBAL, so when
