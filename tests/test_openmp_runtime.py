@@ -112,3 +112,29 @@ def test_greedy_outputs_do_not_depend_on_the_openmp_runtime(tiny_ckpt, tmp_path,
     # Both runtimes split every parallel loop the same way (torch's static chunks), so the sums
     # are the same sums: the logprobs agree to float32 printing, not just to a tolerance.
     assert intel["logprobs"] == pytest.approx(gnu["logprobs"], rel=0, abs=1e-6)
+
+
+ALONE = '''
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("openmp_runtime_alone", {path!r})
+module = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = module  # dataclasses looks its module up there
+spec.loader.exec_module(module)
+module.intel_library = lambda: None  # as on a CPU or install without the intel-openmp wheel
+rt = module.select()
+print("RESULT " + json.dumps({{"name": rt.name, "reason": rt.reason, "torch": "torch" in sys.modules}}))
+'''
+
+
+def test_missing_intel_library_keeps_gnu_openmp():
+    info = result(run_python(ALONE.format(path=openmp_runtime.__file__)))
+    assert info["name"] == "gnu" and not info["torch"], info
+    assert "libiomp5.so not installed" in info["reason"], info
+
+
+@pytest.mark.skipif(not INTEL_EXPECTED, reason="intel-openmp is installed on x86-64 Linux only")
+def test_preloaded_intel_library_is_reported_not_loaded_twice():
+    library = str(openmp_runtime.intel_library())
+    info = result(run_python(PROBE.format(imports="import torch\nimport hybridkv"), {"LD_PRELOAD": library}))
+    assert info["name"] == "intel" and info["reason"] == "already loaded in this process", info
+    assert info["gomp_parallel_is_intel"] and info["iomp_follows_torch"] == [1, 2, 1], info
