@@ -11,20 +11,14 @@ from hybridkv.attention_backends.cpu_kernels import load_prefill_attention, load
 from hybridkv.attention_backends.metadata import StepSequences, build_attention_metadata
 from hybridkv.attention_backends.torch_native import TorchNativeAttention
 
+from amx_helpers import require_amx  # tests/ is on sys.path (conftest's folder)
 from test_torch_native import _prefill_kernel_case  # this folder is on sys.path (rootdir-less test modules)
-
-
-def _cpu_has_amx() -> bool:
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe is not None and probe())
 
 
 @pytest.fixture(scope="module")
 def amx_kernel():
     kernel = load_prefill_attention_amx()
-    if kernel is None:
-        assert not _cpu_has_amx(), "this CPU has AMX but the AMX prefill kernel did not build"
-        pytest.skip("no AMX on this CPU")
+    require_amx(kernel, what="the AMX prefill kernel")
     return kernel
 
 

@@ -10,21 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from amx_helpers import require_amx  # tests/ is on sys.path (conftest's folder)
 from hybridkv.model_executor import layers
 from hybridkv.model_executor.cpu_kernels import amx_linear_ops, blocked_linear_ops
-
-
-def _cpu_has_amx() -> bool:
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe is not None and probe())
 
 
 @pytest.fixture(scope="module")
 def ops():
     blocked, amx = blocked_linear_ops(), amx_linear_ops()
-    if amx is None or blocked is None:
-        assert not _cpu_has_amx(), "this CPU has AMX but the AMX linear did not build"
-        pytest.skip("no AMX on this CPU")
+    require_amx(blocked, amx, what="the AMX linear")
     return blocked, amx
 
 
