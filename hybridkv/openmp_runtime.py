@@ -1,9 +1,11 @@
 """Which OpenMP runtime runs torch's and hybridkv's CPU threads: Intel's (libiomp5) where it is installed.
 
-Why: torch's CPU wheel ships GNU libgomp, whose idle workers spin on the cores between parallel
-regions. Alone in a process that costs nothing, but a server shares its two cores with the HTTP
-threads and, in the benchmarks, with the load generator: a worker that lost its core holds every
-join of the step until the scheduler gives it back. Measured on the 2-core Intel AMX VM (bf16 demo
+Why: torch's CPU wheel ships GNU libgomp. Alone in a process it serves well, but a server shares
+its cores with the HTTP threads and, in the benchmarks, with the load generator, and a worker that
+lost its core holds every join of the step until the scheduler gives it back (session 15 measured
+the served steps ~60% slower than in process). Intel's runtime, as documented, yields while it
+waits for work; that it loses fewer joins that way is the likely reason, not measured directly.
+Measured on the 2-core Intel AMX VM (bf16 demo
 model, `vllm bench serve`, 64 x (512 in, 64 out) at concurrency 16; alternating runs of one
 sitting): 1.90 / 2.09 req/s and a 113 / 104 ms mean TPOT with libgomp (HYBRIDKV_OPENMP=gnu), 3.39
 / 3.41 req/s and 64 / 62 ms with libiomp5. Offline, alone on the cores, it changes little: workload
