@@ -8,8 +8,8 @@ waits for work; that it loses fewer joins that way is the likely reason, not mea
 Measured on the 2-core Intel AMX VM (bf16 demo
 model, `vllm bench serve`, 64 x (512 in, 64 out) at concurrency 16; alternating runs of one
 sitting): 1.90 / 2.09 req/s and a 113 / 104 ms mean TPOT with libgomp (HYBRIDKV_OPENMP=gnu), 3.39
-/ 3.41 req/s and 64 / 62 ms with libiomp5. Offline, alone on the cores, it changes little: workload
-a 6% faster, b 1-3%, c the same. vLLM's CPU build preloads the same library (its env.sh).
+/ 3.41 req/s and 64 / 62 ms with libiomp5. Offline, alone on the cores, it changes little (an LD_PRELOAD
+A/B): workload a 6% faster, b 1-3%, c the same. vLLM's CPU build preloads the same library (its env.sh).
 
 How: `select()` runs first thing in `import hybridkv`, before anything imports torch. It loads
 libiomp5 (the `intel-openmp` wheel puts it in the environment's lib/) with RTLD_GLOBAL, so when
