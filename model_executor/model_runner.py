@@ -19,6 +19,7 @@ from hybridkv.attention_backends.metadata import StepSequences, int_array
 from hybridkv.attention_backends.registry import get_attention_backend
 from hybridkv.block_manager.kv_cache_manager import KVCacheManager
 from hybridkv.model_executor.host_kv_cache import HostKVCache
+from hybridkv.model_executor.heap_retention import retain_freed_heap
 from hybridkv.model_executor.huge_pages import move_parameters_to_huge_pages
 from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
 from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
@@ -79,6 +80,10 @@ class ModelRunner:
         dequantize_weights: bool | None = None,
     ) -> None:
         self.device = torch.device(device)
+        if self.device.type == "cpu":  # each layer's activations are freed and allocated again
+            retention = retain_freed_heap()
+            logger.info("heap retention (heap_retention.py): %s (%s)", "on" if retention.applied else "off",
+                        retention.reason)
         self.config = load_config(model_dir)
         self.dtype = resolve_dtype(dtype, self.config, self.device)
         # Validated before the (slow) load: an unsupported quant_method / fmt fails fast.
