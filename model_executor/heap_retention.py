@@ -15,20 +15,17 @@ its peak heap (the largest step's activations) rather than returning it between 
 caching allocator does. Nothing else changes: the same bytes are computed into memory that is
 already mapped.
 
-Best effort: glibc only (mallopt), HYBRIDKV_RETAIN_HEAP=0 leaves malloc as it was, and a libc
-without mallopt (musl) is logged and left alone.
+Best effort: glibc only (mallopt); HYBRIDKV_RETAIN_HEAP=0 leaves malloc as it was, and so does a
+libc without mallopt (musl). The model runner logs which, and why.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import sys
 from dataclasses import dataclass
 
 from hybridkv.attention_backends.cpu_kernels.build import switch_on
-
-logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "HYBRIDKV_RETAIN_HEAP"
 M_TRIM_THRESHOLD = -1  # malloc.h
