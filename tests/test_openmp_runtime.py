@@ -6,16 +6,15 @@ not depend on which runtime runs the threads.
 Each case runs in a fresh interpreter: the choice is made once per process, at import."""
 from __future__ import annotations
 
-import json
-import os
 import platform
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 from hybridkv import openmp_runtime
+import subprocess_probe  # tests/ is on sys.path (conftest's folder)
+from subprocess_probe import result
 
 INTEL_EXPECTED = sys.platform == "linux" and platform.machine() == "x86_64"
 
@@ -44,17 +43,9 @@ print("RESULT " + json.dumps(info))
 
 def run_python(script: str, env_extra: dict[str, str] | None = None, cwd: str | None = None,
                timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("HYBRIDKV_OPENMP", "LD_PRELOAD")}
-    env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=cwd)
-
-
-def result(proc: subprocess.CompletedProcess) -> dict:
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert line, proc.stdout[-2000:]
-    return json.loads(line[-1][len("RESULT "):])
+    """A fresh interpreter without this process's runtime switch or preload."""
+    return subprocess_probe.run_python(script, env_extra, drop=("HYBRIDKV_OPENMP", "LD_PRELOAD"), cwd=cwd,
+                                       timeout=timeout)
 
 
 @pytest.mark.skipif(not INTEL_EXPECTED, reason="intel-openmp is installed on x86-64 Linux only")

@@ -7,15 +7,13 @@ The probes run in fresh interpreters: mallopt's thresholds are process state tha
 back to glibc's adaptive defaults."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import textwrap
 
 import pytest
 
 from hybridkv.model_executor import heap_retention, model_runner
+from subprocess_probe import result, run_python  # tests/ is on sys.path (conftest's folder)
 
 GLIBC = sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION") is not None
 
@@ -50,14 +48,7 @@ print("RESULT " + json.dumps({"applied": applied, "in_heap": in_heap, "heap_afte
 
 
 def probe(env_extra: dict[str, str]) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != heap_retention.ENV_SWITCH}
-    env.update(env_extra)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(PROBE)], capture_output=True, text=True,
-                          timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert line, proc.stdout[-2000:]
-    return json.loads(line[-1][len("RESULT "):])
+    return result(run_python(PROBE, env_extra, drop=(heap_retention.ENV_SWITCH,)))
 
 
 @pytest.mark.skipif(not GLIBC, reason="mallopt's thresholds are glibc's")
@@ -96,12 +87,5 @@ def test_greedy_outputs_do_not_depend_on_heap_retention(tiny_ckpt):
     llm.engine.kv.assert_idle()  # conftest's end-of-test invariant does not reach this process
     print("RESULT " + json.dumps([[o.outputs[0].token_ids, o.outputs[0].cumulative_logprob] for o in outs]))
     '''
-    results = []
-    for value in ("1", "0"):
-        env = {k: v for k, v in os.environ.items() if k != heap_retention.ENV_SWITCH}
-        env[heap_retention.ENV_SWITCH] = value
-        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
-                              timeout=600, env=env)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        results.append(json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:]))
+    results = [result(run_python(script, {heap_retention.ENV_SWITCH: value}, timeout=600)) for value in ("1", "0")]
     assert results[0] == results[1]
