@@ -97,17 +97,20 @@ class TorchNativeAttention:
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
             return self._decodes(q, k_cache, v_cache, meta, sm, scale)
-        out = torch.empty_like(q)
-        if nd:
-            out[:nd] = self._decodes(q[:nd], k_cache, v_cache, meta, sm, scale)
         kernel = self._prefill_kernel_for(q, k_cache)
         if kernel is not None:
             starts, rows, positions = meta.prefill_groups
             window = -1 if sm.window is None else sm.window
             table = sm.block_table if sm.block_table.dtype == torch.int32 else sm.block_table.to(torch.int32)
-            out[nd:] = kernel(q[nd:].contiguous(), k_cache, v_cache, table, starts, rows, positions,
-                              meta.page_size, window, scale)
-            return out
+            # The kernels read q through its strides (a view into the QKV output) and return a
+            # contiguous result, so a step of prefills only takes it as it is: no copy of either.
+            prefills = kernel(q[nd:], k_cache, v_cache, table, starts, rows, positions, meta.page_size, window, scale)
+            if not nd:
+                return prefills
+            return torch.cat([self._decodes(q[:nd], k_cache, v_cache, meta, sm, scale), prefills])
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = self._decodes(q[:nd], k_cache, v_cache, meta, sm, scale)
         for p in sm.prefills:
             out[p.query_start : p.query_end] = self._prefill(q, k, v, k_cache, v_cache, p, sm.window, scale, meta.tiles)
         return out
@@ -158,8 +161,7 @@ class TorchNativeAttention:
         starts, rows, positions = meta.decode_groups
         window = -1 if sm.window is None else sm.window
         table = sm.block_table if sm.block_table.dtype == torch.int32 else sm.block_table.to(torch.int32)
-        return self._paged(q.contiguous(), k_cache, v_cache, table, starts, rows, positions, meta.page_size, window,
-                           scale)
+        return self._paged(q, k_cache, v_cache, table, starts, rows, positions, meta.page_size, window, scale)
 
     @staticmethod
     def _decode(

@@ -38,6 +38,17 @@ class RMSNorm(nn.Module):
             return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, the norm of that sum): a residual add and the norm that reads its result,
+        fused into one pass over the rows where the CPU kernel applies (bit-identical to the two
+        steps: the sum is rounded to the dtype before its statistics are taken)."""
+        if (x.is_cpu and x.dtype == self.weight.dtype == residual.dtype and x.dtype in _FUSED_DTYPES
+                and (ops := fused_ops())):
+            total, normed = ops.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
+            return total, normed
+        total = x + residual
+        return total, self.forward(total)
+
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with a precomputed cos/sin table indexed by position.

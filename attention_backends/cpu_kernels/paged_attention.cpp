@@ -235,7 +235,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       const int32_t* row_pages = c.bt + c.gr[g] * c.bt_stride;
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t j = 0; j < c.grp; ++j) {
-          const scalar_t* src = c.qp + (r * c.H + h * c.grp + j) * c.D;
+          const scalar_t* src = c.query(r, h * c.grp + j);
           float* dst = qf + ((r - r0) * c.grp + j) * c.D;
           for (int64_t d = 0; d < c.D; ++d) dst[d] = to_float(src[d]) * c.fscale;
         }
@@ -278,7 +278,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
           if (lo >= hi) continue;
           for (int64_t j = 0; j < c.grp; ++j) {
             const int64_t row = (r - r0) * c.grp + j;
-            scores_row(qf + row * c.D, c.qp + (r * c.H + h * c.grp + j) * c.D, c.fscale, keys,
+            scores_row(qf + row * c.D, c.query(r, h * c.grp + j), c.fscale, keys,
                        scores + row * kBlock, lo, hi, c.D);
           }
         }
@@ -326,7 +326,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               torch::Tensor block_table, torch::Tensor group_start, torch::Tensor group_row,
                               torch::Tensor positions, int64_t page_size, int64_t window, double scale) {
   hybridkv_cpu::check_paged_groups(q, k_cache, v_cache, block_table, group_start, group_row, positions);
-  auto out = torch::empty_like(q);
+  auto out = torch::empty(q.sizes(), q.options());  // contiguous, whatever q's strides
   if (group_row.size(0) == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     run<scalar_t>(out, q, k_cache, v_cache, block_table, group_start, group_row, positions, page_size, window, scale);

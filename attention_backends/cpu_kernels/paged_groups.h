@@ -13,7 +13,9 @@ namespace hybridkv_cpu {
 inline void check_paged_groups(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                const torch::Tensor& block_table, const torch::Tensor& group_start,
                                const torch::Tensor& group_row, const torch::Tensor& positions) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, H, D] tensor");
+  // q may be a view with gaps between rows or heads (e.g. the query part of a fused QKV output), so
+  // callers need not copy it; only each head's D values must be contiguous.
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be a [T, H, D] tensor with contiguous head rows");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3, "caches must be [Hkv, slots, D]");
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "cache rows must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
@@ -30,6 +32,7 @@ template <typename scalar_t>
 struct PagedGroups {
   int64_t H, D, Hkv, grp, G;           // query heads, head size, KV heads, query heads per KV head, groups
   const scalar_t* qp;
+  int64_t q_row, q_head;               // q strides: per query row, per head (out is contiguous)
   scalar_t* op;
   const scalar_t *kp, *vp;
   int64_t kh, ks, vh, vs;              // cache strides: per KV head, per slot
@@ -43,11 +46,14 @@ struct PagedGroups {
               const torch::Tensor& block_table, const torch::Tensor& group_start, const torch::Tensor& group_row,
               const torch::Tensor& positions, int64_t page_size_, int64_t window_, double scale)
       : H(q.size(1)), D(q.size(2)), Hkv(k_cache.size(0)), grp(q.size(1) / k_cache.size(0)), G(group_row.size(0)),
-        qp(q.data_ptr<scalar_t>()), op(out.data_ptr<scalar_t>()), kp(k_cache.data_ptr<scalar_t>()),
+        qp(q.data_ptr<scalar_t>()), q_row(q.stride(0)), q_head(q.stride(1)), op(out.data_ptr<scalar_t>()), kp(k_cache.data_ptr<scalar_t>()),
         vp(v_cache.data_ptr<scalar_t>()), kh(k_cache.stride(0)), ks(k_cache.stride(1)), vh(v_cache.stride(0)),
         vs(v_cache.stride(1)), bt(block_table.data_ptr<int32_t>()), bt_stride(block_table.stride(0)),
         bt_width(block_table.size(1)), gs(group_start.data_ptr<int32_t>()), gr(group_row.data_ptr<int32_t>()),
         pos(positions.data_ptr<int32_t>()), page_size(page_size_), window(window_), fscale(static_cast<float>(scale)) {}
+
+  // Query row r's head `head`.
+  const scalar_t* query(int64_t r, int64_t head) const { return qp + r * q_row + head * q_head; }
 
   // First position a query at position p sees (window < 0: no window).
   int64_t window_start(int64_t p) const { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; }

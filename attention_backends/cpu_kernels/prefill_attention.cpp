@@ -189,7 +189,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         std::fill(qt, qt + c.D * ld, 0.f);
         for (int64_t qi = 0; qi < nq; ++qi)
           for (int64_t j = 0; j < c.grp; ++j) {
-            const scalar_t* src = c.qp + ((it.q0 + qi) * c.H + h * c.grp + j) * c.D;
+            const scalar_t* src = c.query(it.q0 + qi, h * c.grp + j);
             for (int64_t d = 0; d < c.D; ++d) qt[d * ld + qi * c.grp + j] = to_float(src[d]) * c.fscale;
           }
         std::fill(m, m + ld, kNoMax);
@@ -272,7 +272,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
   TORCH_CHECK(q.size(2) % kLanes == 0, "head size ", q.size(2), " is not a multiple of ", kLanes, " lanes");
   TORCH_CHECK(page_size > 0, "page_size must be positive");
   TORCH_CHECK(positions.size(0) == q.size(0), "one position per query row");
-  auto out = torch::empty_like(q);
+  auto out = torch::empty(q.sizes(), q.options());  // contiguous, whatever q's strides
   if (group_row.size(0) == 0) return out;
   if (q.scalar_type() == torch::kFloat32)
     run<float>(out, q, k_cache, v_cache, block_table, group_start, group_row, positions, page_size, window, scale);

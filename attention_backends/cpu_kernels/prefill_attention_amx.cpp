@@ -188,7 +188,7 @@ void attend(const hybridkv_cpu::PagedGroups<c10::BFloat16>& c, const std::vector
     w.first[r] = c.window_start(w.pos[r]);
     uint16_t* dst = w.q + r * D;
     if (r < rows)
-      std::memcpy(dst, c.qp + ((q_first + qi) * c.H + h * c.grp + j) * D, D * 2);
+      std::memcpy(dst, c.query(q_first + qi, h * c.grp + j), D * 2);
     else
       std::memset(dst, 0, D * 2);
   }
@@ -298,7 +298,7 @@ torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k_cache, torc
   TORCH_CHECK(page_size > 0, "page_size must be positive");
   TORCH_CHECK(positions.size(0) == q.size(0), "one position per query row");
   TORCH_CHECK(amx_ready(), "this CPU or process cannot use AMX-BF16 tiles");
-  auto out = torch::empty_like(q);
+  auto out = torch::empty(q.sizes(), q.options());  // contiguous, whatever q's strides
   if (group_row.size(0) == 0) return out;
   const hybridkv_cpu::PagedGroups<c10::BFloat16> c(out, q, k_cache, v_cache, block_table, group_start, group_row,
                                                   positions, page_size, window, scale);

@@ -8,6 +8,8 @@
 //                  they stream half the bytes on CPUs without native bf16 compute (and need no
 //                  float32 copy of the weight per call).
 //   rms_norm       transformers' RMSNorm: float32 statistics, weight applied in the input dtype.
+//   add_rms_norm   a residual add and the RMSNorm of its result (the decoder layer's
+//                  `h = h + x; rms_norm(h)`), in one pass over the rows.
 //   rotary         rotate-half RoPE of [T, heads, D] (rows may be strided, e.g. a view of qkv).
 //   silu_and_mul   silu(gate) * up of a fused [T, 2I] gate_up projection.
 //   hc_sinkhorn_   DeepSeek-V4's mHC Sinkhorn loop over [T, n, n] mixing matrices, in place.
@@ -149,13 +151,23 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, c10::optional
 // ---- rms_norm --------------------------------------------------------------------------------
 
 namespace {
+// With `addend` (and `sum`), row r is first sum[r] = x[r] + addend[r], rounded to the dtype as
+// torch's add rounds it, and the norm is taken of that rounded sum: bit-identical to the add
+// followed by rms_norm, without writing the sum and reading it back in a second pass.
 template <typename scalar_t>
 void rms_norm_rows(const scalar_t* x, int64_t x_stride, const scalar_t* w, scalar_t* out, int64_t rows, int64_t D,
-                   float eps, bool unit_offset) {
+                   float eps, bool unit_offset, const scalar_t* addend = nullptr, scalar_t* sum = nullptr) {
   at::parallel_for(0, rows, 32, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const scalar_t* xr = x + r * x_stride;
       scalar_t* o = out + r * D;
+      if (addend != nullptr) {
+        scalar_t* sr = sum + r * D;
+        const scalar_t* ar = addend + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) sr[d] = static_cast<scalar_t>(to_float(xr[d]) + to_float(ar[d]));
+        xr = sr;
+      }
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
       for (int64_t d = 0; d < D; ++d) ss += to_float(xr[d]) * to_float(xr[d]);
@@ -191,6 +203,33 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool u
                                    out.data_ptr<c10::BFloat16>(), x2.size(0), D, static_cast<float>(eps), unit_offset);
     }));
   return out;
+}
+
+// x + residual and the RMSNorm of it: (sum, normed), both new tensors of x's shape.
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps,
+                                        bool unit_offset) {
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == D, "add_rms_norm: weight must be [", D, "]");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm: x ", x.sizes(), " and residual ", residual.sizes(),
+              " differ in shape");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm: x, residual and weight must share a dtype");
+  TORCH_CHECK(weight.is_contiguous(), "add_rms_norm: weight must be contiguous");
+  const auto x2 = x.contiguous().view({-1, D});
+  const auto r2 = residual.contiguous().view({-1, D});
+  auto sum = torch::empty(x.sizes(), x.options());
+  auto out = torch::empty(x.sizes(), x.options());
+  AT_DISPATCH_SWITCH(x.scalar_type(), "add_rms_norm",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      rms_norm_rows<float>(x2.data_ptr<float>(), D, weight.data_ptr<float>(), out.data_ptr<float>(), x2.size(0), D,
+                           static_cast<float>(eps), unit_offset, r2.data_ptr<float>(), sum.data_ptr<float>());
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      rms_norm_rows<c10::BFloat16>(x2.data_ptr<c10::BFloat16>(), D, weight.data_ptr<c10::BFloat16>(),
+                                   out.data_ptr<c10::BFloat16>(), x2.size(0), D, static_cast<float>(eps), unit_offset,
+                                   r2.data_ptr<c10::BFloat16>(), sum.data_ptr<c10::BFloat16>());
+    }));
+  return {sum, out};
 }
 
 // ---- rotary ----------------------------------------------------------------------------------

@@ -79,9 +79,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope, hidden, meta):
-        hidden = hidden + self.self_attn.forward(rope, self.input_layernorm.forward(hidden), meta)
-        return hidden + self.mlp.forward(self.post_attention_layernorm.forward(hidden))
+    def forward(self, rope, hidden, residual, meta):
+        """-> (this layer's MLP output, the residual stream before it). `hidden` is the previous
+        layer's MLP output, not yet added to `residual` (for the first layer: the embeddings, and
+        residual None), so that every residual add runs fused with the norm that reads its sum."""
+        if residual is None:
+            residual, x = hidden, self.input_layernorm.forward(hidden)
+        else:
+            residual, x = self.input_layernorm.add_forward(hidden, residual)
+        residual, x = self.post_attention_layernorm.add_forward(self.self_attn.forward(rope, x, meta), residual)
+        return self.mlp.forward(x), residual
 
 
 class LlamaForCausalLM(CausalLM):
@@ -155,11 +162,11 @@ class LlamaForCausalLM(CausalLM):
         ]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary_emb.lookup(positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer.forward(rope, hidden, meta)
-        return self.norm.forward(hidden)
+            hidden, residual = layer.forward(rope, hidden, residual, meta)
+        return self.norm.add_forward(hidden, residual)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._packed_logits is not None:

@@ -355,6 +355,29 @@ def test_cpu_prefill_kernel_matches_attention_from_the_definition(dtype, window,
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("loader, dtype", [
+    ("load_paged_attention", torch.float32), ("load_paged_attention", torch.bfloat16),
+    ("load_prefill_attention", torch.float32), ("load_prefill_attention", torch.bfloat16),
+    ("load_prefill_attention_amx", torch.bfloat16),
+])
+def test_cpu_attention_kernels_read_q_through_its_strides(loader, dtype):
+    """The backend hands the kernels q as a view into the fused QKV output (rows further apart
+    than H x D) without copying it: each kernel reads it through its strides and returns a
+    contiguous result bit-identical to the one for a contiguous copy of q."""
+    from hybridkv.attention_backends import cpu_kernels
+
+    kernel = getattr(cpu_kernels, loader)()
+    if kernel is None:
+        pytest.skip(f"{loader}: this CPU has no such kernel")
+    args, _ = _prefill_kernel_case([(0, 40), (30, 9)], None, dtype, 64, 3)
+    q = args[0]
+    qkv = torch.cat([q, torch.full((q.shape[0], 4, q.shape[2]), float("nan"), dtype=dtype)], dim=1)
+    view = qkv[:, : q.shape[1]]  # the query heads of each row, then 4 heads of NaN the kernel must not read
+    assert not view.is_contiguous()
+    got = kernel(view, *args[1:])
+    assert got.is_contiguous() and torch.equal(got, kernel(q.contiguous(), *args[1:]))
+
+
 def test_cpu_prefill_kernel_output_does_not_depend_on_the_thread_count():
     """Work items go to threads largest first from a shared counter: the split may differ from
     run to run, the result may not (each item owns its rows)."""

@@ -90,6 +90,28 @@ def test_rms_norm_equals_the_torch_path(dtype, unit_offset, monkeypatch):
 
 @needs_ops
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(dtype, unit_offset, monkeypatch):
+    """The fused residual add + norm rounds the sum to the dtype (as torch's add does) and takes
+    the norm of that: both outputs equal the add followed by the rms_norm kernel exactly, and the
+    torch path (no kernels) to the rms_norm kernel's tolerance."""
+    g = _gen(7)
+    norm = RMSNorm(96, 1e-6, unit_offset=unit_offset).to(dtype)
+    norm.weight.data = torch.randn(96, generator=g).to(dtype)
+    x = torch.randn(37, 96, generator=g).to(dtype)
+    residual = (torch.randn(37, 96, generator=g) * 4).to(dtype)  # larger: the sum rounds in bf16
+    total, normed = norm.add_forward(x, residual)
+    assert torch.equal(total, residual + x)
+    assert torch.equal(normed, norm(residual + x))
+    monkeypatch.setattr(layers, "fused_ops", lambda: None)
+    ref_total, ref_normed = norm.add_forward(x, residual)
+    assert torch.equal(total, ref_total)
+    tol = dict(rtol=2e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-2)
+    torch.testing.assert_close(normed.float(), ref_normed.float(), **tol)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_is_bit_identical_to_the_torch_expression(dtype, monkeypatch):
     g = _gen(3)
     T, H, Hkv, D = 6, 4, 2, 64
