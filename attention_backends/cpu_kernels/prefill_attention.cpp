@@ -13,7 +13,8 @@
 //            transposed once per item (Q^T [D x rows]) and each key element is one broadcast
 //            feeding a register block of kScoreKeys keys x kScoreVecs row vectors;
 //   softmax: online, per row (= per lane): the block maximum, the rescale and the sums are
-//            vertical vector operations over the keys, no horizontal sums anywhere;
+//            vertical vector operations over the keys, no horizontal sums anywhere; the score
+//            loop takes the block maximum from its accumulators unless a mask follows it;
 //   values:  O [rows x D] += P [rows x keys] . V [keys x D], a register block of kValueRows rows x
 //            kValueVecs vectors of D, each value row read from its page once per row block.
 //
@@ -33,6 +34,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -54,39 +56,50 @@ constexpr int kScoreVecs = 3;
 constexpr int kValueRows = kLanes == 16 ? 6 : 2;
 constexpr int kValueVecs = 4;
 
-// st[t * ld + lanes] += sum_d k[t][d] * qt[d][lanes] for KT keys x C row vectors from column c0.
+// st[t * ld + lanes] = sum_d k_t[d] * qt[d][lanes] for KT keys (rows at krow[t]) x C row
+// vectors from column c0; with bmax, also bmax[lanes] = max(bmax, the largest of the KT scores).
 template <int KT, int C>
-inline void score_block(const float* __restrict__ qt, int64_t ld, const float* __restrict__ k, int64_t D,
-                        float* __restrict__ st, int64_t c0) {
+inline void score_block(const float* __restrict__ qt, int64_t ld, const float* const* krow, int64_t D,
+                        float* __restrict__ st, int64_t c0, float* __restrict__ bmax) {
   vfloat acc[KT][C] = {};
+  const float* k[KT];
+  for (int t = 0; t < KT; ++t) k[t] = krow[t];
   for (int64_t d = 0; d < D; ++d) {
     vfloat qv[C];
     for (int c = 0; c < C; ++c) qv[c] = load_vec(qt + d * ld + c0 + c * kLanes);
     for (int t = 0; t < KT; ++t) {
-      const vfloat kb = splat(k[t * D + d]);
+      const vfloat kb = splat(k[t][d]);
       for (int c = 0; c < C; ++c) acc[t][c] += kb * qv[c];
     }
   }
   for (int t = 0; t < KT; ++t)
     for (int c = 0; c < C; ++c) store_vec(st + t * ld + c0 + c * kLanes, acc[t][c]);
+  if (bmax != nullptr)
+    for (int c = 0; c < C; ++c) {
+      vfloat m = load_vec(bmax + c0 + c * kLanes);
+      for (int t = 0; t < KT; ++t) m = acc[t][c] > m ? acc[t][c] : m;
+      store_vec(bmax + c0 + c * kLanes, m);
+    }
 }
 
 template <int KT>
-inline void score_keys(const float* qt, int64_t ld, const float* k, int64_t D, float* st, int64_t vecs) {
+inline void score_keys(const float* qt, int64_t ld, const float* const* krow, int64_t D, float* st, int64_t vecs,
+                       float* bmax) {
   int64_t v = 0;
-  for (; v + kScoreVecs <= vecs; v += kScoreVecs) score_block<KT, kScoreVecs>(qt, ld, k, D, st, v * kLanes);
+  for (; v + kScoreVecs <= vecs; v += kScoreVecs) score_block<KT, kScoreVecs>(qt, ld, krow, D, st, v * kLanes, bmax);
   switch (vecs - v) {
-    case 1: score_block<KT, 1>(qt, ld, k, D, st, v * kLanes); break;
-    case 2: score_block<KT, 2>(qt, ld, k, D, st, v * kLanes); break;
+    case 1: score_block<KT, 1>(qt, ld, krow, D, st, v * kLanes, bmax); break;
+    case 2: score_block<KT, 2>(qt, ld, krow, D, st, v * kLanes, bmax); break;
   }
   static_assert(kScoreVecs == 3, "the tail switch covers kScoreVecs - 1 vectors");
 }
 
 // S^T [bl x ld] = K [bl x D] . Q^T [D x ld] over the padded rows (vecs vectors of lanes).
-void scores(const float* qt, int64_t ld, const float* k, int64_t D, float* st, int64_t bl, int64_t vecs) {
+void scores(const float* qt, int64_t ld, const float* const* krow, int64_t D, float* st, int64_t bl, int64_t vecs,
+            float* bmax) {
   int64_t t = 0;
-  for (; t + kScoreKeys <= bl; t += kScoreKeys) score_keys<kScoreKeys>(qt, ld, k + t * D, D, st + t * ld, vecs);
-  for (; t < bl; ++t) score_keys<1>(qt, ld, k + t * D, D, st + t * ld, vecs);
+  for (; t + kScoreKeys <= bl; t += kScoreKeys) score_keys<kScoreKeys>(qt, ld, krow + t, D, st + t * ld, vecs, bmax);
+  for (; t < bl; ++t) score_keys<1>(qt, ld, krow + t, D, st + t * ld, vecs, bmax);
 }
 
 // o[r][c0 ..] = o[r][c0 ..] * alpha[r] + sum_t p[t * ld + r] * value_t[c0 ..] for R rows from r0.
@@ -129,6 +142,47 @@ void values(float* o, int64_t D, const float* alpha, const float* p, int64_t ld,
   for (; r < rows; ++r) value_rows<1>(o, D, alpha, p, ld, vrows, bl, r);
 }
 
+// Online softmax for one key block of scores S^T [bl x ld], lane by lane: with bm holding the
+// block's maxima, bm becomes the rescale factor of the earlier blocks (0 on the first block a
+// row sees), m the running maxima, l the rescaled running sums, and S the block's weights.
+inline void softmax_weights(float* st, int64_t ld, int64_t bl, float* bm, float* m, float* l) {
+#if defined(__AVX512F__)
+  for (int64_t r = 0; r < ld; r += 16) {
+    const __m512 old_m = _mm512_loadu_ps(m + r);
+    const __m512 new_m = _mm512_max_ps(_mm512_loadu_ps(bm + r), old_m);
+    const __m512 alpha = hybridkv_cpu::exp_nonpositive16(_mm512_sub_ps(old_m, new_m));
+    _mm512_storeu_ps(bm + r, alpha);
+    _mm512_storeu_ps(m + r, new_m);
+    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(l + r), alpha);
+    for (int64_t t = 0; t < bl; ++t) {
+      float* s = st + t * ld + r;
+      // A masked key (-inf) weighs 0.
+      const __m512 e = hybridkv_cpu::exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s), new_m));
+      _mm512_storeu_ps(s, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    _mm512_storeu_ps(l + r, sum);
+  }
+#else
+#pragma omp simd
+  for (int64_t r = 0; r < ld; ++r) {
+    const float new_m = bm[r] > m[r] ? bm[r] : m[r];
+    bm[r] = exp_nonpositive(m[r] - new_m);  // 0 on the first block a row sees
+    m[r] = new_m;
+    l[r] *= bm[r];
+  }
+  for (int64_t t = 0; t < bl; ++t) {
+    float* srow = st + t * ld;
+#pragma omp simd
+    for (int64_t r = 0; r < ld; ++r) {
+      const float e = exp_nonpositive(srow[r] - m[r]);  // a masked key (-inf) weighs 0
+      srow[r] = e;
+      l[r] += e;
+    }
+  }
+#endif
+}
+
 struct Item {
   int64_t group, head, q0, q1;  // query rows [q0, q1) of the group (absolute rows of q)
   int64_t cost;                 // keys x queries, for the largest-first order
@@ -160,13 +214,15 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
 
   const int64_t max_rows = tile * c.grp;
   const int64_t ld = (max_rows + kLanes - 1) / kLanes * kLanes;  // rows padded to whole vectors
-  // Per thread: Q^T [c.D x ld], the key block [kKeyBlock x c.D], S^T [kKeyBlock x ld], O [ld x c.D],
-  // running max, sum and rescale [ld] each; plus the block's value row addresses.
+  // Per thread: Q^T [c.D x ld], the key block widened to float [kKeyBlock x c.D] (bf16 only:
+  // float32 keys are read in place), S^T [kKeyBlock x ld], O [ld x c.D], running max, sum and
+  // rescale [ld] each; plus the block's key and value row addresses.
   const int64_t per_thread = c.D * ld + kKeyBlock * c.D + kKeyBlock * ld + ld * c.D + 3 * ld;
   const int nthreads = at::get_num_threads();
   auto scratch = torch::empty({nthreads, per_thread}, q.options().dtype(torch::kFloat32));
   float* scratch_base = scratch.data_ptr<float>();
   std::vector<const scalar_t*> row_ptrs(static_cast<size_t>(nthreads) * kKeyBlock);
+  std::vector<const float*> key_ptrs(static_cast<size_t>(nthreads) * kKeyBlock);
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
 
@@ -180,6 +236,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       float* l = m + ld;
       float* alpha = l + ld;
       const scalar_t** vrows = row_ptrs.data() + at::get_thread_num() * kKeyBlock;
+      const float** krows = key_ptrs.data() + at::get_thread_num() * kKeyBlock;
       for (int64_t i = next++; i < num_items; i = next++) {
         const Item& it = items[i];
         const int64_t h = it.head, nq = it.q1 - it.q0, rows = nq * c.grp;
@@ -204,14 +261,22 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
             const int64_t kpos = b0 + t;
             const int64_t slot = static_cast<int64_t>(row_pages[kpos / page_size]) * page_size + kpos % page_size;
             const scalar_t* key = c.kp + h * c.kh + slot * c.ks;
-            float* dst = kbuf + t * c.D;
-            for (int64_t d = 0; d < c.D; d += kLanes) store_vec(dst + d, load_vec(key + d));
+            if constexpr (std::is_same_v<scalar_t, float>) {
+              krows[t] = key;  // float32 keys are read in place
+            } else {
+              float* dst = kbuf + t * c.D;
+              for (int64_t d = 0; d < c.D; d += kLanes) store_vec(dst + d, load_vec(key + d));
+              krows[t] = dst;
+            }
             vrows[t] = c.vp + h * c.vh + slot * c.vs;
           }
-          scores(qt, ld, kbuf, c.D, st, bl, vecs);
           // Mask what some row may not see: keys after the first query (the causal diagonal), or
           // before the last query's window start (the window's edge).
-          if (b0 + bl - 1 > p_first || (window > 0 && b0 < c.window_start(p_last))) {
+          const bool masked = b0 + bl - 1 > p_first || (window > 0 && b0 < c.window_start(p_last));
+          float* bm = alpha;  // the block maximum first, then the rescale factor in place
+          if (!masked) std::fill(bm, bm + ld, kNoMax);
+          scores(qt, ld, krows, c.D, st, bl, vecs, masked ? nullptr : bm);
+          if (masked) {
             for (int64_t t = 0; t < bl; ++t) {
               const int64_t kpos = b0 + t;
               float* srow = st + t * ld;
@@ -222,30 +287,17 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
               }
             }
           }
-          // Online softmax, lane by lane: block max, rescale of the earlier blocks, weights.
-          float* bm = alpha;  // the block maximum first, then the rescale factor in place
-          std::copy(st, st + ld, bm);
-          for (int64_t t = 1; t < bl; ++t) {
-            const float* srow = st + t * ld;
+          // Online softmax, lane by lane: block max (taken by the score loop where no mask
+          // followed it), rescale of the earlier blocks, weights.
+          if (masked) {
+            std::copy(st, st + ld, bm);
+            for (int64_t t = 1; t < bl; ++t) {
+              const float* srow = st + t * ld;
 #pragma omp simd
-            for (int64_t r = 0; r < ld; ++r) bm[r] = srow[r] > bm[r] ? srow[r] : bm[r];
-          }
-#pragma omp simd
-          for (int64_t r = 0; r < ld; ++r) {
-            const float new_m = bm[r] > m[r] ? bm[r] : m[r];
-            bm[r] = exp_nonpositive(m[r] - new_m);  // 0 on the first block a row sees
-            m[r] = new_m;
-            l[r] *= bm[r];
-          }
-          for (int64_t t = 0; t < bl; ++t) {
-            float* srow = st + t * ld;
-#pragma omp simd
-            for (int64_t r = 0; r < ld; ++r) {
-              const float e = exp_nonpositive(srow[r] - m[r]);  // a masked key (-inf) weighs 0
-              srow[r] = e;
-              l[r] += e;
+              for (int64_t r = 0; r < ld; ++r) bm[r] = srow[r] > bm[r] ? srow[r] : bm[r];
             }
           }
+          softmax_weights(st, ld, bl, bm, m, l);
           values(o, c.D, alpha, st, ld, vrows, bl, rows);
         }
         for (int64_t qi = 0; qi < nq; ++qi)

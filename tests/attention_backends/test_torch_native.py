@@ -378,6 +378,26 @@ def test_cpu_attention_kernels_read_q_through_its_strides(loader, dtype):
     assert got.is_contiguous() and torch.equal(got, kernel(q.contiguous(), *args[1:]))
 
 
+@pytest.mark.slow
+def test_cpu_prefill_kernel_built_for_avx2_matches_attention_from_the_definition(monkeypatch):
+    """The kernel as an AVX2-only CPU (e.g. AMD Zen 3) builds it: 8 lanes and the scalar-exp
+    softmax loops that the AVX-512 build replaces with its vector exp. Built here with the AVX2
+    flags whatever this CPU has, and held to the same definition as the native build."""
+    from pathlib import Path
+
+    from hybridkv.attention_backends.cpu_kernels import _PAGED_GROUPS, build
+
+    monkeypatch.setattr(build, "isa_flags", lambda: ("avx2", ["-mavx2", "-mfma", "-mf16c"]))
+    source = Path(build.__file__).with_name("prefill_attention.cpp")
+    module = build.build_cpu_extension("hybridkv_prefill_attention", source, ["prefill_attention"],
+                                       "CPU prefill-attention kernel (AVX2 build)", headers=(_PAGED_GROUPS,))
+    assert module is not None, "the prefill kernel did not build for AVX2"
+    for window in (None, 70):
+        args, want = _prefill_kernel_case([(0, 300), (50, 200)], window, torch.float32, 64, 3)
+        got = module.prefill_attention(*args)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
 def test_cpu_prefill_kernel_output_does_not_depend_on_the_thread_count():
     """Work items go to threads largest first from a shared counter: the split may differ from
     run to run, the result may not (each item owns its rows)."""
