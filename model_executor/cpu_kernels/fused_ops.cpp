@@ -151,6 +151,22 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, c10::optional
 // ---- rms_norm --------------------------------------------------------------------------------
 
 namespace {
+// sum_d x[d]^2 in float32, in one fixed order (lane partial sums, then across the lanes), so that
+// rms_norm and add_rms_norm give the same bits for the same row (an omp simd reduction's order
+// could differ between the two loops' compilations).
+template <typename scalar_t>
+inline float sum_of_squares(const scalar_t* x, int64_t D) {
+  vfloat acc = {};
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    const vfloat v = load_vec(x + d);
+    acc += v * v;
+  }
+  float ss = hsum(acc);
+  for (; d < D; ++d) ss += to_float(x[d]) * to_float(x[d]);
+  return ss;
+}
+
 // With `addend` (and `sum`), row r is first sum[r] = x[r] + addend[r], rounded to the dtype as
 // torch's add rounds it, and the norm is taken of that rounded sum: bit-identical to the add
 // followed by rms_norm, without writing the sum and reading it back in a second pass.
@@ -164,14 +180,15 @@ void rms_norm_rows(const scalar_t* x, int64_t x_stride, const scalar_t* w, scala
       if (addend != nullptr) {
         scalar_t* sr = sum + r * D;
         const scalar_t* ar = addend + r * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) sr[d] = static_cast<scalar_t>(to_float(xr[d]) + to_float(ar[d]));
+        int64_t d = 0;
+        // Lane-parallel rounding (store_vec): c10::BFloat16's scalar conversion keeps the loop
+        // from vectorizing (1,024 x 576 bf16 rows: ~500 us for the whole op, against ~200 for
+        // torch's add and rms_norm).
+        for (; d + kLanes <= D; d += kLanes) store_vec(sr + d, load_vec(xr + d) + load_vec(ar + d));
+        for (; d < D; ++d) sr[d] = static_cast<scalar_t>(to_float(xr[d]) + to_float(ar[d]));
         xr = sr;
       }
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t d = 0; d < D; ++d) ss += to_float(xr[d]) * to_float(xr[d]);
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+      const float inv = 1.f / std::sqrt(sum_of_squares(xr, D) / static_cast<float>(D) + eps);
       if (unit_offset) {  // Gemma: (h * (1 + w)) in float32, then the input dtype
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(to_float(xr[d]) * inv * (1.f + to_float(w[d])));
       } else {  // weight * h.to(dtype): h rounded to the input dtype first, as transformers does
