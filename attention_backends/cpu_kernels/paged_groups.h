@@ -46,7 +46,8 @@ struct PagedGroups {
               const torch::Tensor& block_table, const torch::Tensor& group_start, const torch::Tensor& group_row,
               const torch::Tensor& positions, int64_t page_size_, int64_t window_, double scale)
       : H(q.size(1)), D(q.size(2)), Hkv(k_cache.size(0)), grp(q.size(1) / k_cache.size(0)), G(group_row.size(0)),
-        qp(q.data_ptr<scalar_t>()), q_row(q.stride(0)), q_head(q.stride(1)), op(out.data_ptr<scalar_t>()), kp(k_cache.data_ptr<scalar_t>()),
+        qp(q.data_ptr<scalar_t>()), q_row(q.stride(0)), q_head(q.stride(1)), op(out.data_ptr<scalar_t>()),
+        kp(k_cache.data_ptr<scalar_t>()),
         vp(v_cache.data_ptr<scalar_t>()), kh(k_cache.stride(0)), ks(k_cache.stride(1)), vh(v_cache.stride(0)),
         vs(v_cache.stride(1)), bt(block_table.data_ptr<int32_t>()), bt_stride(block_table.stride(0)),
         bt_width(block_table.size(1)), gs(group_start.data_ptr<int32_t>()), gr(group_row.data_ptr<int32_t>()),
