@@ -47,7 +47,8 @@ class EngineConfig:
     # (seconds): a long prompt cannot freeze running streams. None = the token budget alone
     # (offline default, for throughput); `hybridkv serve` defaults to 0.25.
     target_step_seconds: float | None = None
-    # With a target: the longest a step may be planned while requests decode. Above the target,
+    # With a target: the longest a step may be planned while requests decode (and the bound on
+    # steps while streamed prompts wait for first tokens with nothing decoding). Above the target,
     # cheap decode-only steps bank time for fewer, longer prefill steps and the mean gap stays at
     # the target (engine/gap_budget.py). None = the target itself: every step is held to it.
     max_step_seconds: float | None = None

@@ -1,5 +1,6 @@
 """GapBudget: how long the next step may take while streams decode, so that a stream's gaps
-between tokens average `target_seconds` and none is planned longer than `max_seconds`.
+between tokens average `target_seconds` and none is planned longer than `max_seconds`; and
+while streamed prompts wait for their first tokens with no stream decoding, max_seconds.
 
 Every step is a gap in every decoding stream. Holding each step to the target (max_seconds ==
 target_seconds, the old rule) gives even gaps, but each step then carries a short prefill chunk
@@ -82,6 +83,13 @@ class GapBudget:
         self.banking = True
         self.banked_in_a_row += 1
         return 0.0
+
+    def plan_first_tokens(self) -> float:
+        """Seconds the next step may take when streamed prompts wait for their first tokens and
+        no stream decodes: the longest planned gap. There are no gaps to average yet, so no
+        credit is kept (a stream that starts decoding starts from an empty bank)."""
+        self.plan(False, 0.0)
+        return self.max_seconds
 
     def observe(self, seconds: float) -> None:
         """The measured time of the step just planned."""

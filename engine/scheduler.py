@@ -6,12 +6,13 @@ requests in the order of the scheduling policy (engine/scheduling_policy.py: fcf
 dfs-weight), each admitted with its prefix-cache hit.
 
 Latency target (`target_step_seconds`, the server's default): while any interactive (streamed)
-request is decoding, a
+request is decoding or waiting for its first token, a
 step's prefill chunks are sized so that the step's estimated time stays under the target (FLOPs
 from the model's StepCost, seconds per FLOP learnt by engine/step_timer.py). A long prompt then
-arrives in many short chunks instead of freezing every stream for one long step; without
-decodes (nobody is waiting for a token) the token budget alone applies, for throughput. One
-prefill chunk of at least `min_prefill_chunk` tokens always runs, so prefill never starves.
+arrives in many short chunks instead of freezing every stream for one long step, and a burst of
+streamed prompts gets its first tokens one prompt after another (steps up to max_step_seconds)
+instead of all at the end of one step that prefilled them all. When nobody watches (only
+non-streamed requests) the token budget alone applies, for throughput. One prefill chunk of at least `min_prefill_chunk` tokens always runs, so prefill never starves.
 With `max_step_seconds` above the target (the server's default), the target is the streams'
 mean gap rather than every step's: time steps leave under it is kept as credit and a later
 step spends it on a longer prefill chunk, up to max_step_seconds (engine/gap_budget.py); a step
@@ -243,7 +244,7 @@ class Scheduler:
     # -- latency target ------------------------------------------------------------------------
     def _start_pricing(self, out: SchedulerOutput) -> None:
         """Price this step's decodes (O(1) per running request) and set the seconds left for
-        prefill chunks; no limit unless an interactive (streamed) request decodes."""
+        prefill chunks; no limit unless an interactive (streamed) request decodes or waits."""
         n = context = 0
         watched = False
         for r in self.running:
@@ -258,7 +259,15 @@ class Scheduler:
         out.estimated_flops = flops
         out.estimated_reads = max(0.0, flops - n * (cost.flops_per_token + cost.flops_per_sample))  # its attention
         decode_seconds = self.timer.seconds(flops, out.estimated_reads)
-        allowed = self.gaps.plan(watched, decode_seconds)
+        if watched:
+            allowed = self.gaps.plan(True, decode_seconds)
+        else:
+            # A streamed prompt waiting for its first token watches this step too: one step that
+            # prefilled every waiting prompt would hand each its first token only at the end of
+            # all of them; steps held to max_step_seconds finish them one after another. (Stops
+            # at the first interactive request: on a server that is the queue's head.)
+            waiting_stream = any(r.interactive for r in self.waiting)
+            allowed = self.gaps.plan_first_tokens() if waiting_stream else self.gaps.plan(False, 0.0)
         if self.gaps.banking:  # decodes only, not even the minimum chunk
             self._floor_used = True
         self._seconds_left = None if allowed is None else allowed - decode_seconds

@@ -36,7 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="while requests decode, size prefill chunks so a step stays under this many seconds "
                         f"(default: off for generate, {SERVE_TARGET_STEP_SECONDS} for serve; 0 = off)")
     p.add_argument("--max-step-seconds", type=float, default=None,
-                   help="with a step target: the longest step while requests decode; above the target, time "
+                   help="with a step target: the longest step while requests decode or streamed prompts wait "
+                        "for a first token; above the target, time "
                         "steps leave under it buys fewer, longer prefill steps and the mean stays at the target "
                         f"(default: the target for generate, {SERVE_MAX_STEP_SECONDS} for serve)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)

@@ -5,7 +5,9 @@
   grows, and outputs are the same tokens as without the target;
 - with a longest step above the target, decode-only steps bank time for longer prefill steps,
   none planned past the longest step, and outputs are still the same tokens;
-- without decodes the token budget alone applies (throughput);
+- while streamed prompts wait and nothing decodes, steps are held to the longest step, so the
+  prompts get their first tokens one after another;
+- when nobody streams, the token budget alone applies (throughput);
 - admission is round-robin across client requests: a request that fans out into many sequences
   does not hold a later request back;
 - the bounded queue refuses an add that would overfill it, and nothing is left behind.
@@ -120,11 +122,11 @@ def test_banked_time_buys_longer_prefill_steps_within_the_max_and_keeps_outputs(
     assert stream == ref_stream and long == ref_long
 
 
-def test_without_decodes_the_token_budget_alone_sizes_prefill(tiny_ckpt):
+def test_without_watchers_the_token_budget_alone_sizes_prefill(tiny_ckpt):
     eng = LLMEngine(EngineConfig(model=tiny_ckpt("llama"), max_model_len=512, max_num_batched_tokens=256,
                                  target_step_seconds=0.001))
     _freeze(eng, gflops_per_s=0.01)  # a budget far below one chunk: it must not apply
-    eng.add_request("long", list(LONG), _greedy(1))
+    eng.add_request("long", list(LONG), _greedy(1), interactive=False)  # nobody streams it
     out = eng.scheduler.schedule()
     assert [s.num_new_tokens for s in out.scheduled] == [256]
     eng.scheduler.update_after_step(out)  # keep the engine consistent, then finish cleanly
@@ -185,10 +187,55 @@ def test_only_watched_decodes_hold_prefill_to_the_target(tiny_ckpt):
         _freeze(eng, gflops_per_s=0.01)
         eng.add_request("decoding", [5, 6, 7], _greedy(30), interactive=interactive)
         eng.step()
-        eng.add_request("long", list(LONG), _greedy(1))
+        # The prompt is not streamed either: only the decoding request decides.
+        eng.add_request("long", list(LONG), _greedy(1), interactive=False)
         out = eng.scheduler.schedule()
         long = [s.num_new_tokens for s in out.scheduled if s.request_id.startswith("long")]
         assert (long[0] < 255) == limited, (interactive, long)
         eng.scheduler.update_after_step(out)
         eng.abort_request("long")
         eng.abort_request("decoding")
+
+
+def test_streamed_prompts_without_decodes_get_first_tokens_one_after_another(tiny_ckpt):
+    # A burst of streamed prompts reaches an engine with nothing decoding. One step that
+    # prefilled them all would give every prompt its first token at the end of all of them;
+    # held to max_step_seconds, the steps finish one prompt after another, with the same tokens.
+    ckpt = tiny_ckpt("llama")
+    prompts = {f"p{i}": [(11 * i + 5 * j) % 200 + 10 for j in range(120)] for i in range(4)}
+
+    def run(engine: LLMEngine) -> tuple[dict[str, int], dict[str, list[int]], list[float]]:
+        for rid, toks in prompts.items():
+            engine.add_request(rid, toks, _greedy(3))
+        first_token_step, outs, step_flops, step = {}, {}, [], 0
+        while engine.has_unfinished_requests():
+            original = engine.scheduler.schedule
+            out = original()
+            step_flops.append(out.estimated_flops)
+            engine.scheduler.schedule = lambda: out  # step() runs exactly this plan
+            try:
+                results = engine.step()
+            finally:
+                engine.scheduler.schedule = original
+            for o in results:
+                if o.outputs[0].token_ids:
+                    first_token_step.setdefault(o.request_id, step)
+                if o.finished:
+                    outs[o.request_id] = o.outputs[0].token_ids
+            step += 1
+        return first_token_step, outs, step_flops
+
+    ref_first, ref_outs, _ = run(LLMEngine(EngineConfig(model=ckpt, max_model_len=512)))
+    assert set(ref_first.values()) == {0}, "without a target all four prompts share one step"
+
+    target, longest, gflops = 0.05, 0.1, 0.04  # 4 MFLOP a step at most: a fraction of one prompt
+    eng = LLMEngine(EngineConfig(model=ckpt, max_model_len=512, target_step_seconds=target,
+                                 max_step_seconds=longest))
+    _freeze(eng, gflops_per_s=gflops)
+    first, outs, step_flops = run(eng)
+    assert outs == ref_outs, "chunking the burst changed the tokens"
+    # Invariant: while the prompts wait with nothing decoding, no step is planned past the longest
+    # step (every step of this run is one of those, or carries decodes under the target).
+    assert max(step_flops[:first["p0"] + 1]) <= longest * gflops * 1e9 * (1 + 1e-9), step_flops
+    order = [first[rid] for rid in prompts]
+    assert order == sorted(order) and order[0] < order[-1], f"first tokens did not come one after another: {first}"

@@ -94,3 +94,14 @@ def test_bad_bounds_are_refused():
         GapBudget(0.25, 0.2)
     with pytest.raises(ValueError, match="target_step_seconds must be > 0"):
         GapBudget(0.0, 0.2)
+
+
+def test_first_tokens_alone_get_the_longest_step_and_no_credit():
+    # Streamed prompts wait and nothing decodes: the step may take max_seconds; there is no
+    # gap to average, so credit left from earlier streams is dropped and the step is not counted.
+    b = GapBudget(0.25, 0.45)
+    _simulate(b, 0.07, 1)  # one banking step leaves credit
+    assert b.credit_seconds > 0
+    assert b.plan_first_tokens() == 0.45
+    b.observe(2.0)  # a long first-token step does not put later streams in debt
+    assert b.credit_seconds == 0.0 and not b.banking
