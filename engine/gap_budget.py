@@ -1,5 +1,6 @@
 """GapBudget: how long the next step may take while streams decode, so that a stream's gaps
-between tokens average `target_seconds` and none is planned longer than `max_seconds`; and
+between tokens average `target_seconds` and none is planned longer than `max_seconds` (unless
+decodes alone take half of that: prefill keeps half of every step, MIN_PREFILL_SHARE); and
 while streamed prompts wait for their first tokens with no stream decoding, max_seconds.
 
 Every step is a gap in every decoding stream. Holding each step to the target (max_seconds ==
@@ -33,6 +34,12 @@ from dataclasses import dataclass
 # in a row: prefill never waits longer than that.
 MIN_EARN_SHARE = 0.1
 MAX_BANKING_STEPS = 10
+# Prefill's least share of a step that carries it. A target is an absolute time, and a decode
+# batch can take most of it or more (a larger model, a slower CPU, more streams): the target
+# alone would then leave prompts the minimum chunk a step and their first tokens would wait for
+# minutes. So a step may always take twice its decodes: streams then wait at most twice as long
+# as decodes alone would make them, and prompts keep half the machine.
+MIN_PREFILL_SHARE = 0.5
 
 
 def check_step_seconds(target: float | None, longest: float | None) -> None:
@@ -64,14 +71,16 @@ class GapBudget:
     def plan(self, watched: bool, decode_seconds: float) -> float | None:
         """Seconds the next step may take; None: no limit (no interactive stream decodes); 0.0:
         decodes only, the step banks its time (no prefill, not even the minimum chunk).
-        decode_seconds: the estimated time of the step's decodes alone."""
+        decode_seconds: the estimated time of the step's decodes alone. The answer is over
+        max_seconds only where decodes alone take more than half of it (MIN_PREFILL_SHARE)."""
         self.watched, self.banking = watched, False
         if not watched:
             self.credit_seconds, self.banked_in_a_row = 0.0, 0
             return None
+        least = decode_seconds / (1.0 - MIN_PREFILL_SHARE)  # prefill keeps its share (see above)
         bank = self.bank_seconds
         if bank <= 0:
-            return self.target_seconds
+            return max(self.target_seconds, least)
         earn = self.target_seconds - decode_seconds
         floor = MIN_EARN_SHARE * bank
         if (self.credit_seconds + earn > bank  # banking once more would overflow the bank
@@ -79,7 +88,7 @@ class GapBudget:
                 or self.banked_in_a_row >= MAX_BANKING_STEPS):
             self.banked_in_a_row = 0
             # Spend; never less than the target, so being in debt does not starve prefill.
-            return min(self.max_seconds, self.target_seconds + max(0.0, self.credit_seconds))
+            return max(least, min(self.max_seconds, self.target_seconds + max(0.0, self.credit_seconds)))
         self.banking = True
         self.banked_in_a_row += 1
         return 0.0

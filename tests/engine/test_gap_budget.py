@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridkv.engine.gap_budget import MAX_BANKING_STEPS, GapBudget
+from hybridkv.engine.gap_budget import MAX_BANKING_STEPS, MIN_PREFILL_SHARE, GapBudget
 
 
 def _simulate(budget: GapBudget, decode_seconds: float, steps: int, actual=None) -> list[float]:
@@ -43,9 +43,23 @@ def test_no_bank_without_watched_streams():
 
 
 def test_a_decode_batch_near_the_target_is_not_made_to_bank():
-    # Banking would earn almost nothing per step: every step gets the target (and the floor chunk).
+    # Banking would earn almost nothing per step: every step spends (and prefill keeps its share,
+    # twice the decodes, which here is past max_seconds: see the next test).
     b = GapBudget(0.25, 0.45)
-    assert [b.plan(True, 0.245) for _ in range(5)] == [0.25] * 5
+    assert [b.plan(True, 0.245) for _ in range(5)] == [pytest.approx(0.49)] * 5
+    assert not b.banking
+
+
+@pytest.mark.parametrize("longest", [0.25, 0.45])
+def test_prefill_keeps_half_of_a_step_whose_decodes_take_the_target(longest):
+    # A decode batch as slow as the target (or slower) would leave prompts the minimum chunk
+    # every step; the step may instead take twice its decodes, past max_seconds if need be.
+    b = GapBudget(0.25, longest)
+    for decode_seconds in (0.245, 0.3, 1.0):
+        allowed = b.plan(True, decode_seconds)
+        b.observe(allowed)
+        assert allowed == pytest.approx(decode_seconds / (1 - MIN_PREFILL_SHARE)), (decode_seconds, allowed)
+    assert b.credit_seconds >= -b.bank_seconds
 
 
 def test_a_machine_slower_than_estimated_stops_banking_at_once():
