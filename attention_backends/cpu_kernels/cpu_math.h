@@ -67,12 +67,29 @@ inline vfloat load_vec(const scalar_t* p) {  // other types (fp16): widened lane
 }
 // float -> bfloat16 bits, round to nearest even, lane-parallel (c10::BFloat16's conversion has a
 // NaN branch that keeps GCC from vectorizing a loop of it: ~5 ns an element). NaN stays a quiet NaN.
-inline vhalf to_bf16_bits(vfloat v) {
+// v rounded to bfloat16, kept in the high 16 bits of each 32-bit lane (the low bits zero): the
+// float value of the rounded number, in whole-width lane operations only.
+inline vuint bf16_rounded_lanes(vfloat v) {
   vuint u;
   std::memcpy(&u, &v, sizeof(u));
-  const vuint rounded = (u + (vuint{} + 0x7FFFu) + ((u >> 16) & 1u)) >> 16;
+  const vuint rounded = (u + (vuint{} + 0x7FFFu) + ((u >> 16) & 1u)) & 0xFFFF0000u;
   const vuint nan = (vuint)((u & 0x7FFFFFFFu) > 0x7F800000u);  // all ones in NaN lanes
-  return __builtin_convertvector((rounded & ~nan) | (nan & 0x7FC0u), vhalf);
+  return (rounded & ~nan) | (nan & 0x7FC00000u);
+}
+inline vhalf to_bf16_bits(vfloat v) {
+#if defined(__AVX512F__)
+  // One narrowing instruction (vpmovdw): GCC splits __builtin_convertvector's 16-lane narrowing
+  // into 8-lane halves, as it does the widening (load_vec).
+  vuint u = bf16_rounded_lanes(v) >> 16;
+  __m512i w;
+  std::memcpy(&w, &u, sizeof(w));
+  const __m256i h = _mm512_cvtepi32_epi16(w);
+  vhalf out;
+  std::memcpy(&out, &h, sizeof(out));
+  return out;
+#else
+  return __builtin_convertvector(bf16_rounded_lanes(v) >> 16, vhalf);
+#endif
 }
 inline void store_vec(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 inline void store_vec(c10::BFloat16* p, vfloat v) {
@@ -83,7 +100,7 @@ inline void store_vec(c10::BFloat16* p, vfloat v) {
 template <typename scalar_t>
 inline vfloat round_vec(vfloat v) {
   if constexpr (std::is_same<scalar_t, c10::BFloat16>::value) {
-    const vuint u = __builtin_convertvector(to_bf16_bits(v), vuint) << 16;
+    const vuint u = bf16_rounded_lanes(v);  // no narrowing and widening back
     std::memcpy(&v, &u, sizeof(v));
   }
   return v;

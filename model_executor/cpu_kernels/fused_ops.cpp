@@ -263,6 +263,11 @@ template <typename scalar_t>
 void rotary_rows(const scalar_t* xp, int64_t xs, const scalar_t* cp, const scalar_t* sp, scalar_t* op, int64_t T,
                  int64_t H, int64_t D) {
   const int64_t half = D / 2;
+  // Whole vectors per half when they fit (D 64 and 128 with 8 or 16 lanes): the two halves in
+  // one pass, rounded lane-parallel (round_vec / store_vec). The scalar loop below, with its
+  // c10::BFloat16 conversions, takes 209-226 us for 1,024 tokens x 12 heads x 64 in bf16 against
+  // 172-178 (float32: 131-139 against 123-127; Intel AMX VM, alternating runs).
+  const int64_t vec_half = half % kLanes == 0 ? half : 0;
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t h = 0; h < H; ++h) {
@@ -270,6 +275,14 @@ void rotary_rows(const scalar_t* xp, int64_t xs, const scalar_t* cp, const scala
         const scalar_t* c = cp + t * D;
         const scalar_t* s = sp + t * D;
         scalar_t* o = op + (t * H + h) * D;
+        for (int64_t d = 0; d < vec_half; d += kLanes) {
+          const vfloat lo = load_vec(xr + d), hi = load_vec(xr + d + half);
+          // o[d] = x[d] cos[d] - x[d + half] sin[d]; o[d + half] = x[d + half] cos[d + half] + x[d] sin[d + half]
+          store_vec(o + d, round_vec<scalar_t>(lo * load_vec(c + d)) + round_vec<scalar_t>(-hi * load_vec(s + d)));
+          store_vec(o + d + half, round_vec<scalar_t>(hi * load_vec(c + d + half)) +
+                                      round_vec<scalar_t>(lo * load_vec(s + d + half)));
+        }
+        if (vec_half) continue;
         for (int64_t d = 0; d < D; ++d) {
           const float rotated = d < half ? -to_float(xr[d + half]) : to_float(xr[d - half]);
           const float a = round_to<scalar_t>(to_float(xr[d]) * to_float(c[d]));
