@@ -42,6 +42,11 @@ MAX_BANKING_STEPS = 10
 MIN_PREFILL_SHARE = 0.5
 
 
+def least_step_seconds(decode_seconds: float) -> float:
+    """The shortest step that leaves prefill its share (MIN_PREFILL_SHARE) beside these decodes."""
+    return decode_seconds / (1.0 - MIN_PREFILL_SHARE)
+
+
 def check_step_seconds(target: float | None, longest: float | None) -> None:
     """The configs' check of a (target_step_seconds, max_step_seconds) pair; None = unset."""
     if target is not None and not target > 0:
@@ -77,7 +82,7 @@ class GapBudget:
         if not watched:
             self.credit_seconds, self.banked_in_a_row = 0.0, 0
             return None
-        least = decode_seconds / (1.0 - MIN_PREFILL_SHARE)  # prefill keeps its share (see above)
+        least = least_step_seconds(decode_seconds)
         bank = self.bank_seconds
         if bank <= 0:
             return max(self.target_seconds, least)
@@ -93,12 +98,13 @@ class GapBudget:
         self.banked_in_a_row += 1
         return 0.0
 
-    def plan_first_tokens(self) -> float:
+    def plan_first_tokens(self, decode_seconds: float = 0.0) -> float:
         """Seconds the next step may take when streamed prompts wait for their first tokens and
-        no stream decodes: the longest planned gap. There are no gaps to average yet, so no
-        credit is kept (a stream that starts decoding starts from an empty bank)."""
+        no stream decodes: the longest planned gap, or twice the decodes of non-streamed requests
+        where they take more than half of it (MIN_PREFILL_SHARE). There are no gaps to average
+        yet, so no credit is kept (a stream that starts decoding starts from an empty bank)."""
         self.plan(False, 0.0)
-        return self.max_seconds
+        return max(self.max_seconds, least_step_seconds(decode_seconds))
 
     def observe(self, seconds: float) -> None:
         """The measured time of the step just planned."""

@@ -12,7 +12,8 @@ from the model's StepCost, seconds per FLOP learnt by engine/step_timer.py). A l
 arrives in many short chunks instead of freezing every stream for one long step, and a burst of
 streamed prompts gets its first tokens one prompt after another (steps up to max_step_seconds)
 instead of all at the end of one step that prefilled them all. When nobody watches (only
-non-streamed requests) the token budget alone applies, for throughput. One prefill chunk of at least `min_prefill_chunk` tokens always runs, so prefill never starves.
+non-streamed requests) the token budget alone applies, for throughput. One prefill chunk of at
+least `min_prefill_chunk` tokens always runs, so prefill never starves.
 With `max_step_seconds` above the target (the server's default), the target is the streams'
 mean gap rather than every step's: time steps leave under it is kept as credit and a later
 step spends it on a longer prefill chunk, up to max_step_seconds (engine/gap_budget.py); a step
@@ -267,7 +268,7 @@ class Scheduler:
             # all of them; steps held to max_step_seconds finish them one after another. (Stops
             # at the first interactive request: on a server that is the queue's head.)
             waiting_stream = any(r.interactive for r in self.waiting)
-            allowed = self.gaps.plan_first_tokens() if waiting_stream else self.gaps.plan(False, 0.0)
+            allowed = self.gaps.plan_first_tokens(decode_seconds) if waiting_stream else self.gaps.plan(False, 0.0)
         if self.gaps.banking:  # decodes only, not even the minimum chunk
             self._floor_used = True
         self._seconds_left = None if allowed is None else allowed - decode_seconds

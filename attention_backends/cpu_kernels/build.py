@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -20,6 +21,11 @@ logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "HYBRIDKV_CPU_KERNELS"
 _SHARED_HEADER = Path(__file__).with_name("cpu_math.h")
+# torch's build lock (FileBaton: a `lock` file in the build directory, created when a build
+# starts and removed when it ends) stays behind when the building process is killed, and every
+# later process then waits on it forever. A build of these kernels takes well under a minute, so
+# a lock this old belongs to no running build.
+STALE_LOCK_SECONDS = 600.0
 
 
 def switch_on(variable: str) -> bool:
@@ -42,6 +48,30 @@ def isa_flags() -> tuple[str, list[str]]:
     return "base", []
 
 
+def clear_stale_build_lock(build_dir: Path, max_age_seconds: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove build_dir's torch build lock if it is older than any build takes; True if removed."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+        if age <= max_age_seconds:
+            return False
+        lock.unlink()
+    except FileNotFoundError:
+        return False
+    logger.warning("removed a stale build lock (%.0f s old, left by a killed build): %s", age, lock)
+    return True
+
+
+def _build_directory(module_name: str) -> Path | None:
+    """Where torch builds module_name (its private helper; None if that moved)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return Path(_get_build_directory(module_name, verbose=False))
+    except Exception:  # noqa: BLE001 - only the stale-lock check is lost
+        return None
+
+
 def build_cpu_extension(name: str, source: Path, functions: list[str], what: str,
                         extra_cflags: tuple[str, ...] = (), headers: tuple[Path, ...] = ()) -> ModuleType | None:
     """Compile `source` (with cpu_math.h in front) exposing `functions`; None, logged once by the
@@ -53,6 +83,9 @@ def build_cpu_extension(name: str, source: Path, functions: list[str], what: str
         from torch.utils import cpp_extension
 
         tag, isa = isa_flags()
+        build_dir = _build_directory(f"{name}_{tag}")
+        if build_dir is not None:
+            clear_stale_build_lock(build_dir)
         # -fno-trapping-math lets g++ if-convert selects and divisions, which the omp simd loops
         # over exp_nonpositive need to vectorize at all; it changes no result (no FP traps are on).
         module = cpp_extension.load_inline(

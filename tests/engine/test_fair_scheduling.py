@@ -234,8 +234,8 @@ def test_streamed_prompts_without_decodes_get_first_tokens_one_after_another(tin
     _freeze(eng, gflops_per_s=gflops)
     first, outs, step_flops = run(eng)
     assert outs == ref_outs, "chunking the burst changed the tokens"
-    # Invariant: while the prompts wait with nothing decoding, no step is planned past the longest
-    # step (every step of this run is one of those, or carries decodes under the target).
+    # Invariant: until the first prompt's first token nothing decodes, and no step is planned past
+    # the longest step (the steps after it carry decodes: the target's tests above cover those).
     assert max(step_flops[:first["p0"] + 1]) <= longest * gflops * 1e9 * (1 + 1e-9), step_flops
     order = [first[rid] for rid in prompts]
     assert order == sorted(order) and order[0] < order[-1], f"first tokens did not come one after another: {first}"

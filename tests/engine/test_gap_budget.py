@@ -119,3 +119,6 @@ def test_first_tokens_alone_get_the_longest_step_and_no_credit():
     assert b.plan_first_tokens() == 0.45
     b.observe(2.0)  # a long first-token step does not put later streams in debt
     assert b.credit_seconds == 0.0 and not b.banking
+    # Non-streamed decodes beside the waiting prompts: prefill still keeps its share.
+    assert b.plan_first_tokens(0.1) == 0.45
+    assert b.plan_first_tokens(0.5) == pytest.approx(0.5 / (1 - MIN_PREFILL_SHARE))
