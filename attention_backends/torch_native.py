@@ -19,9 +19,10 @@ never by batch x longest context:
     (split-KV); the partial results are merged with a log-sum-exp merge into per-sequence accumulators. A short
     decode batch is one tile and one plain softmax (the fast path). (On CPU this beats
     scaled_dot_product_attention for one query token, which in bfloat16 takes a slow path.)
-  * Prefill in bfloat16 on a CPU with AMX: the AMX kernel (cpu_kernels/prefill_attention_amx.cpp,
-    both products on the tile unit, the softmax in AVX-512) takes every prefill chunk of the step
-    in one call, like the float32 kernel below.
+  * Prefill in bfloat16 on a CPU with bf16 dot products: the bf16 kernel
+    (cpu_kernels/prefill_attention_bf16.cpp, both products on AMX tiles or on AVX512-BF16
+    vectors, the softmax in AVX-512) takes every prefill chunk of the step in one call, like the
+    float32 kernel below.
   * Prefill on the CPU (float32; bfloat16 where the CPU lacks bf16 dot products): the C++
     prefill kernel (cpu_kernels/prefill_attention.cpp) takes every prefill chunk of the step in
     one call, reading K/V in place through the block table, blocked like a GEMM (query tiles x
@@ -50,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.attention_backends.cpu_kernels import (load_paged_attention, load_prefill_attention,
-                                                     load_prefill_attention_amx, load_write_kv)
+                                                     load_prefill_attention_bf16, load_write_kv)
 from hybridkv.attention_backends.metadata import AttentionMetadata, DecodeTile, PrefillSeq, TileSizes
 from hybridkv.block_manager.space_spec import window_start
 
@@ -70,7 +71,7 @@ class TorchNativeAttention:
         on_cpu = torch.device(device).type == "cpu"
         self._paged = load_paged_attention() if cpu_kernels and on_cpu else None
         self._prefill_kernel = load_prefill_attention() if cpu_kernels and on_cpu else None
-        self._prefill_amx = load_prefill_attention_amx() if cpu_kernels and on_cpu else None
+        self._prefill_bf16 = load_prefill_attention_bf16() if cpu_kernels and on_cpu else None
         self._write_kv = load_write_kv() if cpu_kernels and on_cpu else None
 
     @property
@@ -118,20 +119,23 @@ class TorchNativeAttention:
     def _prefill_kernel_for(self, q: torch.Tensor, k_cache: torch.Tensor):
         """The C++ kernel that takes the step's prefills, or None for the SDPA / tile path below.
         CPU tensors of one dtype with contiguous cache rows, and then:
-        - bfloat16 on a CPU with AMX-BF16, head size a multiple of 64 up to 256: the AMX kernel
-          (cpu_kernels/prefill_attention_amx.cpp; the AMX VM, a 1,024-token causal prompt with
-          the demo model's heads: ~1.6 ms a layer against SDPA's bf16 flash attention's ~3.0);
+        - bfloat16 on a CPU with bf16 dot products, head size a multiple of 64 up to 256: the bf16
+          kernel (cpu_kernels/prefill_attention_bf16.cpp), on AMX tiles where the CPU has them
+          (the Intel AMX VM, a 1,024-token causal prompt with the demo model's heads: ~1.6 ms a
+          layer against SDPA's bf16 flash attention's ~3.0), else on AVX512-BF16 vectors (a Zen 4
+          EPYC, the same prompt: see cpu_kernels/bf16_products_avx512.h);
         - float32, or bfloat16 where the CPU has no bf16 dot products, head size a multiple of 16
           (whole vectors on either ISA): the float32-FMA kernel (prefill_attention.cpp);
-        - bfloat16 with bf16 dot products but no AMX (Zen 5): None, since SDPA's bf16 flash
-          attention beats a kernel that computes in float32 there (workload c 0.34 vs 0.44 s when
-          measured on the AMX VM)."""
+        - bfloat16 with bf16 dot products and another head size: None, SDPA's bf16 flash attention.
+          (Which of SDPA and the float32-FMA kernel wins there depends on the CPU, measured at D
+          64 only: SDPA on the Intel AMX VM, workload c 0.34 vs 0.44 s; the kernel on the Zen 4
+          EPYC, 0.82 vs 0.98 s. Other head sizes are not measured.)"""
         if not (q.is_cpu and k_cache.is_cpu and q.dtype == k_cache.dtype and k_cache.stride(-1) == 1):
             return None
         head = q.shape[-1]
         if q.dtype == torch.bfloat16 and _native_bf16_matmuls():
-            takes = self._prefill_amx is not None and head % 64 == 0 and head <= 256
-            return self._prefill_amx if takes else None
+            takes = self._prefill_bf16 is not None and head % 64 == 0 and head <= 256
+            return self._prefill_bf16 if takes else None
         if q.dtype in (torch.float32, torch.bfloat16) and head % 16 == 0:
             return self._prefill_kernel
         return None

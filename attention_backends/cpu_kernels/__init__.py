@@ -31,7 +31,7 @@ from hybridkv.attention_backends.cpu_kernels.build import ENV_SWITCH, build_cpu_
 
 __all__ = ["AMX_TILES_HEADER", "ENV_SWITCH", "build_cpu_extension", "kernels_enabled", "load_indexer_topk", "load_joint_attention",
            "load_paged_attention", "load_paged_attention_module", "load_prefill_attention",
-           "load_prefill_attention_amx", "load_write_kv"]
+           "load_prefill_attention_bf16", "load_write_kv", "BF16_PREFILL_PRODUCTS"]
 
 
 # The call both paged kernels take (checks and raw view), put in front of them by the loader.
@@ -91,17 +91,33 @@ def load_prefill_attention() -> Callable[..., torch.Tensor] | None:
     return None if module is None else module.prefill_attention
 
 
-@functools.lru_cache(maxsize=1)
-def load_prefill_attention_amx() -> Callable[..., torch.Tensor] | None:
-    """The compiled `prefill_attention_amx(...)` (load_prefill_attention's call, bfloat16 on AMX
-    tiles, head size a multiple of 64 up to 256), or None where the CPU has no AMX-BF16, the
-    process may not use the tile state, or it cannot be built here."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+# The bf16 prefill kernel's two builds: the products' header, what the CPU needs (torch's probe),
+# and the extra compiler flags. The first this CPU can run is the one the backend takes.
+BF16_PREFILL_PRODUCTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "amx": ("bf16_products_amx.h", "_is_amx_tile_supported", ("-mamx-tile", "-mamx-bf16", "-mavx512bf16")),
+    "avx512_bf16": ("bf16_products_avx512.h", "_is_avx512_bf16_supported", ("-mavx512bf16",)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def load_prefill_attention_bf16(products: str | None = None) -> Callable[..., torch.Tensor] | None:
+    """The compiled `prefill_attention_bf16(...)` (load_prefill_attention's call, bfloat16 with
+    both products on bf16 dot products, head size a multiple of 64 up to 256), or None where the
+    CPU has no bf16 dot products, the process may not use them, or it cannot be built here.
+    `products` picks a build ("amx": AMX tiles; "avx512_bf16": AVX512-BF16 vectors); None takes
+    the first of BF16_PREFILL_PRODUCTS this CPU runs."""
+    if products is None:
+        return next(filter(None, map(load_prefill_attention_bf16, BF16_PREFILL_PRODUCTS)), None)
+    header, probe_name, flags = BF16_PREFILL_PRODUCTS[products]
+    probe = getattr(torch.cpu, probe_name, None)
     if probe is None or not probe():
         return None
-    module = build_cpu_extension("hybridkv_prefill_attention_amx", Path(__file__).with_name("prefill_attention_amx.cpp"),
-                                 ["prefill_attention_amx", "amx_available"], "CPU AMX prefill-attention kernel",
-                                 extra_cflags=("-mamx-tile", "-mamx-bf16", "-mavx512bf16"), headers=(AMX_TILES_HEADER, _PAGED_GROUPS))
-    if module is None or not module.amx_available():
+    headers = (AMX_TILES_HEADER,) if products == "amx" else ()
+    module = build_cpu_extension(f"hybridkv_prefill_attention_bf16_{products}",
+                                 Path(__file__).with_name("prefill_attention_bf16.cpp"),
+                                 ["prefill_attention_bf16", "products_available"],
+                                 f"CPU bf16 prefill-attention kernel ({products})", extra_cflags=flags,
+                                 headers=(*headers, Path(__file__).with_name(header), _PAGED_GROUPS))
+    if module is None or not module.products_available():
         return None
-    return module.prefill_attention_amx
+    return module.prefill_attention_bf16

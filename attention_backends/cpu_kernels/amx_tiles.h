@@ -1,6 +1,6 @@
-// AMX tile setup shared by the kernels that run on the tile unit (prefill_attention_amx.cpp,
-// model_executor/cpu_kernels/amx_linear.cpp); their loaders put it in front of the source and
-// build them with -mamx-tile -mamx-bf16 only where torch sees AMX.
+// AMX tile setup shared by the kernels that run on the tile unit (bf16_products_amx.h, for
+// prefill_attention_bf16.cpp, and model_executor/cpu_kernels/amx_linear.cpp); their loaders put
+// it in front of the source and build them with -mamx-tile -mamx-bf16 only where torch sees AMX.
 #include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>

@@ -192,8 +192,8 @@ inline float exp_nonpositive(float x) {
 // once vectorized (the float32 prefill kernel's softmax, Intel AMX VM: 5.43 -> 5.14 ms a layer):
 // exp(x) = 2^n * 2^f with n = round(x log2 e), |f| <= 1/2; 2^f by a degree-6 polynomial fitted
 // for relative error on [-1/2, 1/2] (~1e-7 in float32, as the scalar form's), 2^n by scalef. Below
-// 2^-126 (the scalar form's range), -inf (a masked key) and NaN give 0. The AMX bf16 prefill
-// kernel keeps its own cheaper 2^x (degree 5, no range mask; prefill_attention_amx.cpp): this
+// 2^-126 (the scalar form's range), -inf (a masked key) and NaN give 0. The bf16 prefill kernel
+// keeps its own cheaper 2^x (degree 5, no range mask; prefill_attention_bf16.cpp): this
 // one in its place made that kernel 4% slower (Intel AMX VM: 1.78 -> 1.86 ms a layer), for
 // precision its bf16 weights then round away.
 inline __m512 exp_nonpositive16(__m512 x) {

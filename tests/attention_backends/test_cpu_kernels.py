@@ -17,10 +17,10 @@ P, H, HKV, D = 4, 4, 2, 8
 
 
 # Every loader the backend calls when it is built: each is cached per process, so one that ran
-# while a test switched the kernels off would hand None to every later test (the AMX prefill
+# while a test switched the kernels off would hand None to every later test (the bf16 prefill
 # tests failed that way when this file ran before them in a fresh process).
 _BACKEND_LOADERS = (cpu_kernels.load_paged_attention_module, cpu_kernels.load_prefill_attention,
-                    cpu_kernels.load_prefill_attention_amx)
+                    cpu_kernels.load_prefill_attention_bf16)
 
 
 @pytest.fixture

@@ -358,7 +358,7 @@ def test_cpu_prefill_kernel_matches_attention_from_the_definition(dtype, window,
 @pytest.mark.parametrize("loader, dtype", [
     ("load_paged_attention", torch.float32), ("load_paged_attention", torch.bfloat16),
     ("load_prefill_attention", torch.float32), ("load_prefill_attention", torch.bfloat16),
-    ("load_prefill_attention_amx", torch.bfloat16),
+    ("load_prefill_attention_bf16", torch.bfloat16),
 ])
 def test_cpu_attention_kernels_read_q_through_its_strides(loader, dtype):
     """The backend hands the kernels q as a view into the fused QKV output (rows further apart
@@ -457,15 +457,15 @@ def test_prefills_through_the_cpu_kernel_match_the_sdpa_path_in_a_mixed_step(dty
 
 def test_the_prefill_kernel_follows_the_dtype_and_the_cpu(monkeypatch):
     """float32: the float32 kernel. bfloat16: that kernel too where the CPU has no bf16 dot
-    products; where it has them, the AMX kernel (built only where there is AMX) for head sizes
-    that are multiples of 64, else SDPA (None)."""
+    products; where it has them, the bf16 kernel (built only where there is AMX or AVX512-BF16)
+    for head sizes that are multiples of 64, else SDPA (None)."""
     from hybridkv.attention_backends import torch_native
 
     be = TorchNativeAttention()
     q, kc = torch.zeros(4, 6, 64, dtype=torch.bfloat16), torch.zeros(2, 32, 64, dtype=torch.bfloat16)
     for native in (True, False):
         monkeypatch.setattr(torch_native, "_native_bf16_matmuls", lambda: native)
-        want = be._prefill_amx if native else be._prefill_kernel
+        want = be._prefill_bf16 if native else be._prefill_kernel
         assert be._prefill_kernel_for(q, kc) is want
         assert be._prefill_kernel_for(q.float(), kc.float()) is be._prefill_kernel, "float32 always takes the kernel"
     monkeypatch.setattr(torch_native, "_native_bf16_matmuls", lambda: True)

@@ -1,29 +1,33 @@
-// Prefill attention in bfloat16 on AMX tiles (Intel Sapphire Rapids and later).
+// Prefill attention in bfloat16 on bf16 dot products: AMX tiles (Intel Sapphire Rapids and
+// later) or AVX512-BF16 vectors (AMD Zen 4 and Zen 5).
 //
 // prefill_attention.cpp's call (query groups at consecutive positions, K/V read through the
-// block table, causal, optionally windowed) for bfloat16 on a CPU with AMX-BF16: both products
-// run on the tile unit, the online softmax between them in AVX-512. The float32-FMA kernel and
-// SDPA's bf16 flash attention (which does not use AMX at these shapes) both run at ~300
-// GFLOP/s on two cores. Here, on the Intel AMX VM (1,024-token causal prompt, 9 / 3 heads, D
-// 64): ~1.3-1.6 ms a layer against SDPA's 2.8-3.3, of which the tile work alone is ~0.6-1.1 ms
-// and the softmax alone ~0.5 (each measured with the other removed); they overlap in part.
-
+// block table, causal, optionally windowed) for bfloat16 on a CPU with bf16 dot products: both
+// products on them, the online softmax between them in AVX-512 float32. The loader builds this
+// file twice, with the two products (score_block, accumulate_values) from bf16_products_amx.h
+// or from bf16_products_avx512.h in front of it; everything below is shared.
+//  - AMX, on the Intel AMX VM (1,024-token causal prompt, 9 / 3 heads, D 64): ~1.3-1.6 ms a layer
+//    against SDPA's 2.8-3.3 (the float32-FMA kernel and SDPA's bf16 flash attention, which does
+//    not use AMX at these shapes, both run at ~300 GFLOP/s on two cores there); the tile work
+//    alone is ~0.6-1.1 ms and the softmax alone ~0.5 (each measured with the other removed).
+//  - AVX512-BF16 vectors, on a 2-core AMD EPYC Zen 4 (family 25 model 17), the same prompt:
+//    3.6-3.9 ms a layer against SDPA's 12.2 and the float32-FMA kernel's 7.0-7.6.
 // Precision is that of SDPA's bf16 flash attention: scores and the softmax in float32, the
 // weights rounded to bf16 for the second product, accumulation in float32.
 //
 // Two passes:
 //  1. Pack. Each group's keys [window start of its first query, its last query] are copied,
-//     per KV head and block of kKeyBlock keys, into the layout the tile unit reads as its B
-//     operand ("VNNI": pairs along the reduction dimension side by side): K^T as [d pair][key][2]
+//     per KV head and block of kKeyBlock keys, into the layout bf16 dot products read (AMX's B
+//     operand, "VNNI": pairs along the reduction dimension side by side): K^T as [d pair][key][2]
 //     for the scores, V as [key pair][d][2] for the values. Keys outside that range, and the
 //     block's padding, are zeros (the mask removes them). Each key is packed once per step,
 //     not once per query tile.
 //  2. Attend. A work item is (group, KV head, 16 query rows); rows are the group's queries x
-//     the query heads under the KV head (GQA folded in), so one tile of Q serves up to 16 rows.
-//     Per key block: S [16 x 64] = Q . K^T (four 16 x 16 float tiles), masked where a key lies
+//     the query heads under the KV head (GQA folded in), so one Q block serves up to 16 rows.
+//     Per key block: S [16 x 64] = Q . K^T (four 16 x 16 float blocks), masked where a key lies
 //     after a row's query or before its window; the rows' block maxima, P = 2^(S log2 e - max)
-//     in bf16 and its sums; O += P . V with O's float32 rows loaded into the accumulator tiles
-//     and stored back. A row's running maximum moves only when a block's exceeds it by more
+//     in bf16 and its sums; O += P . V with O's float32 rows loaded into the accumulators (tiles
+//     or vector registers) and stored back. A row's running maximum moves only when a block's exceeds it by more
 //     than 8 (log2 units), so O and the sums are rescaled rarely. The next block's scores are
 //     issued before this block's softmax. Blocks no row of the item may see are skipped. Items
 //     run largest first from a shared counter, like the float32 kernel's.
@@ -42,15 +46,13 @@
 
 namespace {
 
-constexpr int64_t kRows = 16;      // query rows per work item: one tile of Q
-constexpr int64_t kKeyBlock = 64;  // keys per online-softmax block: four 16-key score tiles
+constexpr int64_t kRows = 16;      // query rows per work item: one AMX tile of Q
+using hybridkv_bf16::kKeyBlock;     // keys per online-softmax block (the products' packed block)
 constexpr int64_t kMaxHead = 256;  // head sizes up to this (a multiple of 64) take this kernel
 constexpr float kNoMax = -1e30f;   // the running maximum before any key (as in the float32 kernel)
 
-// Tile registers (amx_tiles.h configures all 8 as 16 x 64 bytes): 0-3 accumulators (C), 4 the A
-// operand, 5-6 B operands.
-using hybridkv_amx::amx_ready;
-using hybridkv_amx::configure_tiles;
+using hybridkv_bf16::accumulate_values;  // O += P . V (the products' header)
+using hybridkv_bf16::score_block;        // S = Q . K^T
 
 // 2^x for x <= 0 (scores times log2(e) minus their running maximum): x = n + r with n an
 // integer and |r| <= 1/2, 2^r by its degree-5 Taylor polynomial in r ln 2 (relative error below
@@ -76,7 +78,7 @@ struct GroupKeys {
   int64_t offset;  // into the packed buffers (elements), for KV head 0; head h adds h * blocks * kKeyBlock * D
 };
 
-// One block of kKeyBlock keys of one KV head into K^T and V tile layouts (see the header). key
+// One block of kKeyBlock keys of one KV head into the packed K^T and V layouts (see the header). key
 // rows outside [lo, hi] are zeros.
 void pack_block(const hybridkv_cpu::PagedGroups<c10::BFloat16>& c, const int32_t* row_pages, int64_t h,
                 int64_t b0, int64_t lo, int64_t hi, uint16_t* kdst, uint16_t* vdst) {
@@ -109,64 +111,12 @@ void pack_block(const hybridkv_cpu::PagedGroups<c10::BFloat16>& c, const int32_t
   }
 }
 
-// S [16 x 64] (row stride 64 floats) = Q [16 x D] . K^T for one packed key block.
-inline void score_tiles(const uint16_t* qbuf, int64_t D, const uint16_t* kblock, float* S) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t c = 0; c < D / 32; ++c) {
-    _tile_loadd(4, qbuf + c * 32, D * 2);
-    const uint16_t* kc = kblock + c * 512;
-    _tile_loadd(5, kc + 0 * 16 * D, 64);
-    _tile_loadd(6, kc + 1 * 16 * D, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(5, kc + 2 * 16 * D, 64);
-    _tile_loadd(6, kc + 3 * 16 * D, 64);
-    _tile_dpbf16ps(2, 4, 5);
-    _tile_dpbf16ps(3, 4, 6);
-  }
-  _tile_stored(0, S + 0, kKeyBlock * 4);
-  _tile_stored(1, S + 16, kKeyBlock * 4);
-  _tile_stored(2, S + 32, kKeyBlock * 4);
-  _tile_stored(3, S + 48, kKeyBlock * 4);
-}
-
-// O [16 x D] (row stride D floats) += P [16 x 64] bf16 . V for one packed key block: the
-// accumulators are loaded from O and stored back, four 16-wide d tiles at a time.
-inline void accumulate_values(const uint16_t* pbuf, int64_t D, const uint16_t* vblock, float* O) {
-  for (int64_t dc = 0; dc < D / 64; ++dc) {
-    float* o = O + dc * 64;
-    _tile_loadd(0, o + 0, D * 4);
-    _tile_loadd(1, o + 16, D * 4);
-    _tile_loadd(2, o + 32, D * 4);
-    _tile_loadd(3, o + 48, D * 4);
-    for (int64_t kk = 0; kk < 2; ++kk) {
-      _tile_loadd(4, pbuf + kk * 32, kKeyBlock * 2);
-      const uint16_t* vc = vblock + kk * 32 * D + dc * 4 * 512;
-      _tile_loadd(5, vc + 0 * 512, 64);
-      _tile_loadd(6, vc + 1 * 512, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(5, vc + 2 * 512, 64);
-      _tile_loadd(6, vc + 3 * 512, 64);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_dpbf16ps(3, 4, 6);
-    }
-    _tile_stored(0, o + 0, D * 4);
-    _tile_stored(1, o + 16, D * 4);
-    _tile_stored(2, o + 32, D * 4);
-    _tile_stored(3, o + 48, D * 4);
-  }
-}
-
 struct Item {
   int64_t group, head, r0;  // rows [r0, r0 + kRows) of the group (row = query * grp + head offset)
   int64_t cost;             // keys x rows, for the largest-first order
 };
 
-// Per-thread scratch, 64-byte aligned for the tile loads and stores.
+// Per-thread scratch, 64-byte aligned for the tile (and aligned vector) loads and stores.
 struct alignas(64) Scratch {
   uint16_t q[kRows * kMaxHead];
   float s[2][kRows * kKeyBlock];     // scores of this block and the next (see attend)
@@ -205,13 +155,13 @@ void attend(const hybridkv_cpu::PagedGroups<c10::BFloat16>& c, const std::vector
   const __m512 log2_scale = _mm512_set1_ps(c.fscale * 1.44269504088896341f);
   const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  // The next block's scores are issued before this block's softmax: the tile unit works on them
-  // while the vector units run the exponentials (the tile stores would otherwise hold back the
+  // The next block's scores are issued before this block's softmax: on AMX the tile unit works on
+  // them while the vector units run the exponentials (the tile stores would otherwise hold back the
   // softmax behind them).
-  score_tiles(w.q, D, kh + first_block * kKeyBlock * D, w.s[first_block & 1]);
+  score_block(w.q, D, kh + first_block * kKeyBlock * D, w.s[first_block & 1]);
   for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t b0 = gk.key0 + b * kKeyBlock;
-    if (b < last_block) score_tiles(w.q, D, kh + (b + 1) * kKeyBlock * D, w.s[(b + 1) & 1]);
+    if (b < last_block) score_block(w.q, D, kh + (b + 1) * kKeyBlock * D, w.s[(b + 1) & 1]);
     const float* s_block = w.s[b & 1];
     uint16_t* p_block = w.p[b & 1];
     // Which keys each row may see, where the block crosses a row's query or window start
@@ -287,18 +237,18 @@ void attend(const hybridkv_cpu::PagedGroups<c10::BFloat16>& c, const std::vector
 
 }  // namespace
 
-bool amx_available() { return amx_ready(); }
+bool products_available() { return hybridkv_bf16::products_ready(); }
 
-torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                     torch::Tensor block_table, torch::Tensor group_start, torch::Tensor group_row,
                                     torch::Tensor positions, int64_t page_size, int64_t window, double scale) {
   hybridkv_cpu::check_paged_groups(q, k_cache, v_cache, block_table, group_start, group_row, positions);
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "prefill_attention_amx takes bfloat16");
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "prefill_attention_bf16 takes bfloat16");
   TORCH_CHECK(q.size(2) % 64 == 0 && q.size(2) <= kMaxHead, "head size ", q.size(2),
               " is not a multiple of 64 up to ", kMaxHead);
   TORCH_CHECK(page_size > 0, "page_size must be positive");
   TORCH_CHECK(positions.size(0) == q.size(0), "one position per query row");
-  TORCH_CHECK(amx_ready(), "this CPU or process cannot use AMX-BF16 tiles");
+  TORCH_CHECK(hybridkv_bf16::products_ready(), "this CPU or process cannot run this build's bf16 products");
   auto out = torch::empty(q.sizes(), q.options());  // contiguous, whatever q's strides
   if (group_row.size(0) == 0) return out;
   const hybridkv_cpu::PagedGroups<c10::BFloat16> c(out, q, k_cache, v_cache, block_table, group_start, group_row,
@@ -308,7 +258,7 @@ torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k_cache, torc
       TORCH_CHECK(c.pos[c.gs[g + 1] - 1] / page_size < c.bt_width, "position ", c.pos[c.gs[g + 1] - 1],
                   " is past the block table's ", c.bt_width, " pages");
 
-  // Pass 1: every group's visible keys, per KV head, into the tile layouts.
+  // Pass 1: every group's visible keys, per KV head, into the packed layouts.
   std::vector<GroupKeys> keys(c.G);
   struct PackJob { int64_t group, head, block; };
   std::vector<PackJob> jobs;
@@ -351,9 +301,8 @@ torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k_cache, torc
   at::parallel_for(0, nthreads, 1, [&](int64_t t_begin, int64_t t_end) {
     if (t_begin >= t_end) return;
     std::unique_ptr<Scratch> w(new Scratch);
-    configure_tiles();
+    const hybridkv_bf16::ThreadProducts products;  // AMX: this thread's tile configuration
     for (int64_t i = next++; i < num_items; i = next++) attend(c, keys, kpacked.get(), vpacked.get(), items[i], *w);
-    _tile_release();
   });
   return out;
 }

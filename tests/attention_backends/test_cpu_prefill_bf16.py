@@ -1,24 +1,35 @@
-"""The AMX prefill kernel (cpu_kernels/prefill_attention_amx.cpp): bfloat16 on AMX-BF16 tiles,
-prefill_attention.cpp's call. Held to attention written from the definition, to the float32
-kernel, and to the backend's torch path in a mixed step. On a CPU without AMX the kernel is not
-built (the loader returns None) and these tests skip; where the CPU has AMX they must run."""
+"""The bf16 prefill kernel (cpu_kernels/prefill_attention_bf16.cpp): bfloat16 with both products
+on bf16 dot products, prefill_attention.cpp's call, in each of its builds (AMX tiles, AVX512-BF16
+vectors). Held to attention written from the definition, to the float32 kernel, and to the
+backend's torch path in a mixed step. On a CPU without a build's instructions that build is not
+made (the loader returns None) and its tests skip; where the CPU has them they must run."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hybridkv.attention_backends.cpu_kernels import load_prefill_attention, load_prefill_attention_amx
+from hybridkv.attention_backends.cpu_kernels import (BF16_PREFILL_PRODUCTS, load_prefill_attention,
+                                                     load_prefill_attention_bf16)
 from hybridkv.attention_backends.metadata import StepSequences, build_attention_metadata
 from hybridkv.attention_backends.torch_native import TorchNativeAttention
 
-from amx_helpers import require_amx  # tests/ is on sys.path (conftest's folder)
 from test_torch_native import _prefill_kernel_case  # this folder is on sys.path (rootdir-less test modules)
 
 
-@pytest.fixture(scope="module")
-def amx_kernel():
-    kernel = load_prefill_attention_amx()
-    require_amx(kernel, what="the AMX prefill kernel")
+def _cpu_has(products: str) -> bool:
+    """The build's instructions on this CPU, as torch probes them (the loader asks the same probe)."""
+    probe = getattr(torch.cpu, BF16_PREFILL_PRODUCTS[products][1], None)
+    return bool(probe is not None and probe())
+
+
+@pytest.fixture(scope="module", params=list(BF16_PREFILL_PRODUCTS))
+def bf16_kernel(request):
+    """Each build of the kernel; skipped where the CPU lacks its instructions, a failure where it
+    has them (a missing build there is a broken build, not an absent feature)."""
+    kernel = load_prefill_attention_bf16(request.param)
+    if kernel is None:
+        assert not _cpu_has(request.param), f"this CPU has {request.param} but the kernel's build for it did not build"
+        pytest.skip(f"no {request.param} on this CPU")
     return kernel
 
 
@@ -29,7 +40,7 @@ BF16_TOL = 2e-2
 
 @pytest.mark.parametrize("window", [None, 5, 70])
 @pytest.mark.parametrize("d, grp", [(64, 1), (64, 3), (128, 4)])
-def test_amx_prefill_kernel_matches_attention_from_the_definition(amx_kernel, window, d, grp):
+def test_bf16_prefill_kernel_matches_attention_from_the_definition(bf16_kernel, window, d, grp):
     """Chunks from position 0 (1, 7 and 300 queries: inside one 16-row tile, across tiles and
     64-key blocks) and after a cached prefix (a short chunk late in a long context, a long one
     after a short prefix), in one call. Each row sees the keys up to its own position inside its
@@ -37,50 +48,51 @@ def test_amx_prefill_kernel_matches_attention_from_the_definition(amx_kernel, wi
     poisons the output."""
     spans = [(0, 1), (0, 7), (0, 300), (1000, 37), (50, 200)]
     args, want = _prefill_kernel_case(spans, window, torch.bfloat16, d, grp)
-    got = amx_kernel(*args)
+    got = bf16_kernel(*args)
     assert not got.float().isnan().any(), "the kernel read a key outside a row's causal window"
     torch.testing.assert_close(got.double(), want, atol=BF16_TOL, rtol=BF16_TOL)
 
 
-def test_amx_prefill_kernel_is_as_close_to_the_definition_as_the_float32_kernel(amx_kernel):
-    """The bf16 products cost no more precision than the weights' bf16 rounding: the AMX kernel's
+def test_bf16_prefill_kernel_is_as_close_to_the_definition_as_the_float32_kernel(bf16_kernel):
+    """The bf16 products cost no more precision than the weights' bf16 rounding: the bf16 kernel's
     error against float64 attention is within 1.5x of the float32-FMA kernel's on the same bf16
     inputs (that kernel rounds only its output), over a 1,024-token prompt."""
     args, want = _prefill_kernel_case([(0, 1024)], None, torch.bfloat16, 64, 3, hkv=1, seed=2)
-    amx_err = (amx_kernel(*args).double() - want).abs().max().item()
+    bf16_err = (bf16_kernel(*args).double() - want).abs().max().item()
     fma_err = (load_prefill_attention()(*args).double() - want).abs().max().item()
-    assert amx_err <= 1.5 * fma_err, f"AMX error {amx_err:.2e} against the float32 kernel's {fma_err:.2e}"
+    assert bf16_err <= 1.5 * fma_err, f"bf16 kernel error {bf16_err:.2e} against the float32 kernel's {fma_err:.2e}"
 
 
-def test_amx_prefill_kernel_output_does_not_depend_on_the_thread_count(amx_kernel):
+def test_bf16_prefill_kernel_output_does_not_depend_on_the_thread_count(bf16_kernel):
     """Items go to threads from a shared counter and each owns its rows: one thread or two, the
     same bits."""
     args, _ = _prefill_kernel_case([(0, 500), (200, 64)], None, torch.bfloat16, 64, 3)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = amx_kernel(*args)
+        one = bf16_kernel(*args)
         torch.set_num_threads(max(2, threads))
-        assert torch.equal(amx_kernel(*args), one)
+        assert torch.equal(bf16_kernel(*args), one)
     finally:
         torch.set_num_threads(threads)
 
 
-def test_amx_prefill_kernel_refuses_what_it_cannot_take(amx_kernel):
+def test_bf16_prefill_kernel_refuses_what_it_cannot_take(bf16_kernel):
     args, _ = _prefill_kernel_case([(0, 8)], None, torch.bfloat16, 32, 1)
     with pytest.raises(RuntimeError, match="multiple of 64"):
-        amx_kernel(*args)
+        bf16_kernel(*args)
     args, _ = _prefill_kernel_case([(0, 8)], None, torch.float32, 64, 1)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        amx_kernel(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
+        bf16_kernel(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
 
 
 @pytest.mark.parametrize("window", [None, 40])
-def test_bfloat16_prefills_through_the_amx_kernel_match_the_torch_path_in_a_mixed_step(amx_kernel, window,
+def test_bfloat16_prefills_through_the_bf16_kernel_match_the_torch_path_in_a_mixed_step(bf16_kernel, window,
                                                                                      monkeypatch):
     """A step of decodes and prefill chunks (from 0, after a prefix) with the engine's shapes: on
-    a CPU with AMX the backend sends the bf16 prefills to the AMX kernel once, and the result
-    matches the SDPA / tile path's (cpu_kernels=False)."""
+    a CPU with bf16 dot products the backend takes the best build there is (AMX first) and sends
+    the bf16 prefills to the kernel once, and the result matches the SDPA / tile path's
+    (cpu_kernels=False). Each build runs the step in turn."""
     from hybridkv.attention_backends import torch_native
 
     monkeypatch.setattr(torch_native, "_native_bf16_matmuls", lambda: True)
@@ -102,8 +114,8 @@ def test_bfloat16_prefills_through_the_amx_kernel_match_the_torch_path_in_a_mixe
         meta = build_attention_metadata(seqs, {"full": window}, page)
         calls = []
         if kernels:
-            assert be._prefill_amx is amx_kernel
-            be._prefill_amx = lambda *a: calls.append(1) or amx_kernel(*a)
+            assert be._prefill_bf16 is load_prefill_attention_bf16(), "the backend did not take the best build"
+            be._prefill_bf16 = lambda *a: calls.append(1) or bf16_kernel(*a)
         outs[name] = be.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, "full", d**-0.5)
-        assert len(calls) == kernels, "the bf16 prefills did not go to the AMX kernel exactly once for the step"
+        assert len(calls) == kernels, "the bf16 prefills did not go to the bf16 kernel exactly once for the step"
     torch.testing.assert_close(outs["kernel"].float(), outs["torch"].float(), atol=BF16_TOL, rtol=BF16_TOL)
