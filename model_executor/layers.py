@@ -217,12 +217,25 @@ def skinny_linear_for(weight: torch.Tensor):
 
 
 # Up to how many rows a bf16 linear goes through blocked_linear.cpp's vdpbf16ps kernel rather than
-# oneDNN, on CPUs with AVX512-BF16. Intel AMX VM, 2 threads, the demo model's projections x 30
-# layers, weights from memory, oneDNN / blocked ms: 1 row 16.1 / 10.1, 4 rows 16.2 / 12.4, 8 rows
-# 16.0 / 15.4, 16 rows 16.5 / 24.3 (the kernel is bound by vdpbf16ps from there; oneDNN turns to
-# AMX). Past this, oneDNN's packed copy (F.linear on the parameter: 16 rows 23.4 ms, 1,024 rows
-# 149 against oneDNN's 148).
-BLOCKED_MAX_ROWS_BF16 = 4
+# oneDNN's packed copy, on CPUs with AVX512-BF16. Where it pays depends on what oneDNN runs there
+# (2 threads, the demo model's projections x 30 layers, weights from memory, oneDNN / blocked, ms):
+#  - with AMX, oneDNN turns to the tiles from 16 rows. Intel AMX VM: 1 row 16.1 / 10.1, 4 rows
+#    16.2 / 12.4, 8 rows 16.0 / 15.4, 16 rows 16.5 / 24.3 (the kernel is bound by vdpbf16ps from
+#    there). (On such CPUs AmxLinearWeight takes every weight whose K is a multiple of 32.)
+#  - without AMX, oneDNN's own AVX512-BF16 kernels. 2-core AMD EPYC, family 25 model 17 (Zen 4),
+#    two runs each: 1 row 9.3 / 4.7-4.9, 4 rows 8.8 / 5.6-5.8, 16 rows 13.7-13.9 / 10.7-11.0,
+#    32 rows 21.8-22.3 / 18.2-18.3, 128 rows 71.5-72.1 / 63.7-64.2, 256 rows 128.6-129.9 /
+#    126.1-127.5, 512 rows 260.1-260.3 / 254.4-255.2, 1,024 rows 508.8-519.3 / 513.7-520.1.
+# Past the limit, oneDNN's packed copy.
+BLOCKED_MAX_ROWS_BF16_BESIDE_AMX = 4
+BLOCKED_MAX_ROWS_BF16 = 512
+
+
+def blocked_max_rows_bf16() -> int:
+    """Up to how many rows a bf16 PackedLinearWeight runs the vdpbf16ps kernel on this CPU."""
+    from hybridkv.model_executor.cpu_features import cpu_features
+
+    return BLOCKED_MAX_ROWS_BF16_BESIDE_AMX if "amx_bf16" in cpu_features().flags else BLOCKED_MAX_ROWS_BF16
 
 
 def blocked_bf16_for(weight: torch.Tensor) -> ModuleType | None:
@@ -237,8 +250,9 @@ def blocked_bf16_for(weight: torch.Tensor) -> ModuleType | None:
 class PackedLinearWeight:
     """A weight [N, K] prepacked for oneDNN; call it like F.linear(x, weight, bias). Inputs of
     up to `skinny_rows` rows (decode) go through cpu_kernels' skinny_linear when it is built here;
-    bf16 inputs of up to BLOCKED_MAX_ROWS_BF16 rows through the vdpbf16ps blocked kernel where the
-    CPU has AVX512-BF16 (one more copy of the weight: single-stream decode is where it pays)."""
+    bf16 inputs of up to `blocked_rows` rows (blocked_max_rows_bf16) through the vdpbf16ps
+    blocked kernel where the CPU has AVX512-BF16 (one more copy of the weight: decode steps and
+    short chunks are where it pays)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features = weight.shape[0]
@@ -246,6 +260,7 @@ class PackedLinearWeight:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS_HINT)
         self.skinny, self.skinny_rows = skinny_linear_for(self.weight)
         self.blocked = blocked_bf16_for(self.weight)
+        self.blocked_rows = 0 if self.blocked is None else blocked_max_rows_bf16()
         if self.blocked is not None:
             self.blocked_packed = on_huge_pages(self.blocked.pack_blocked_linear_bf16(self.weight))
             padded = self.blocked_packed.shape[0] * self.blocked_packed.shape[2]
@@ -254,7 +269,7 @@ class PackedLinearWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.blocked is not None and x2.shape[0] <= BLOCKED_MAX_ROWS_BF16 and x.dtype == torch.bfloat16:
+        if x2.shape[0] <= self.blocked_rows and x.dtype == torch.bfloat16:
             out = self.blocked.blocked_linear_bf16(x2, self.blocked_packed, self.padded_bias, self.out_features)
         elif x2.shape[0] <= self.skinny_rows and x.dtype == self.weight.dtype:
             out = self.skinny.skinny_linear(x2, self.weight, self.bias)

@@ -4,6 +4,8 @@ prefill), output widths that end inside a 16-column block and inside a 3-block r
 any K, with and without bias -- and writes nothing past the last column."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,11 +100,20 @@ def test_blocked_linear_bf16_rounds_the_exact_product_once(rows, n, k, with_bias
 
 
 @needs_bf16
-def test_bf16_packed_linear_sends_up_to_blocked_max_rows_bf16_to_the_kernel_and_more_to_onednn(monkeypatch):
-    """The layer's bf16 path: at most BLOCKED_MAX_ROWS_BF16 rows through the vdpbf16ps kernel,
-    more through oneDNN; both agree with F.linear to bf16 precision."""
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_packed_linear_sends_up_to_blocked_max_rows_bf16_to_the_kernel_and_more_to_onednn(monkeypatch, amx):
+    """The layer's bf16 path: at most blocked_max_rows_bf16() rows through the vdpbf16ps kernel
+    (few beside AMX, where oneDNN runs on the tiles from 16 rows; up to 512 without it), more
+    through oneDNN; both agree with F.linear to bf16 precision."""
     if not layers.packing_supported(torch.zeros(1, 1, dtype=torch.bfloat16)):
         pytest.skip("no oneDNN bf16 packing here")
+    from hybridkv.model_executor import cpu_features as features
+
+    real_features = features.cpu_features()
+    flags = real_features.flags | {"amx_bf16"} if amx else real_features.flags - {"amx_bf16"}
+    monkeypatch.setattr(features, "cpu_features", lambda: dataclasses.replace(real_features, flags=flags))
+    limit = layers.BLOCKED_MAX_ROWS_BF16_BESIDE_AMX if amx else layers.BLOCKED_MAX_ROWS_BF16
+    assert layers.blocked_max_rows_bf16() == limit
     w, b = torch.randn(40, 64).bfloat16(), torch.randn(40).bfloat16()
     linear = layers.PackedLinearWeight(w, b)
     assert linear.blocked is ops
@@ -110,10 +121,10 @@ def test_bf16_packed_linear_sends_up_to_blocked_max_rows_bf16_to_the_kernel_and_
     real = ops.blocked_linear_bf16
     monkeypatch.setattr(linear, "blocked", type("Spy", (), {"blocked_linear_bf16": staticmethod(
         lambda *a: calls.append(a[0].shape[0]) or real(*a))})())
-    for rows in (1, layers.BLOCKED_MAX_ROWS_BF16, layers.BLOCKED_MAX_ROWS_BF16 + 1):
+    for rows in (1, limit, limit + 1):
         x = torch.randn(rows, 64).bfloat16()
         torch.testing.assert_close(linear(x).float(), F.linear(x.float(), w.float(), b.float()), atol=0.1, rtol=2e-2)
-    assert calls == [1, layers.BLOCKED_MAX_ROWS_BF16]
+    assert calls == [1, limit]
 
 
 @needs_bf16
