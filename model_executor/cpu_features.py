@@ -22,6 +22,7 @@ class CpuFeatures:
     model: str
     flags: frozenset[str]
     torch_capability: str  # torch's own dispatch level: "AVX2", "AVX512", "DEFAULT", ...
+    vendor: str = ""  # /proc/cpuinfo "vendor_id": "GenuineIntel", "AuthenticAMD", ...
 
     @property
     def isa(self) -> str:
@@ -73,6 +74,7 @@ def parse_cpuinfo(text: str, torch_capability: str = "") -> CpuFeatures:
         model=info.get("model", "?"),
         flags=frozenset(info.get("flags", "").split()),
         torch_capability=torch_capability,
+        vendor=info.get("vendor_id", ""),
     )
 
 

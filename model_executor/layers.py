@@ -290,25 +290,40 @@ def blocked_linear_for(weight: torch.Tensor) -> ModuleType | None:
 
 
 # Inputs of up to this many rows go through the blocked kernel (one row tile of blocked_linear.cpp),
-# more through F.linear on the parameter (MKL). Intel AMX VM, 2 threads, the demo model's
-# projections x 30 layers, F.linear / blocked, ms: 64 rows 94-98 / 69-70, 128 rows 133-135 /
+# more through F.linear on the parameter (MKL), on Intel CPUs. Intel AMX VM, 2 threads, the demo
+# model's projections x 30 layers, F.linear / blocked, ms: 64 rows 94-98 / 69-70, 128 rows 133-135 /
 # 117-121, 193 rows 214-215 / 170-178, 256 rows 254-266 / 226, 320 rows 298-320 / 304-306, 512 rows
 # 464-509 / 466-490 (a slower phase of the VM than the first rows'); 1,024 rows: F.linear 788-807,
 # oneDNN's packed weight 832-861. A step of ~180 prompt tokens beside ~13 decodes (serve defaults
 # under issue 13's online load) lands just here.
+# Elsewhere MKL does not take its fast paths (it dispatches on the vendor), and the blocked kernel
+# keeps every row count. 2-core AMD EPYC, family 25 model 17 (Zen 4), the same projections, ms
+# (GFLOP/s): F.linear / blocked / oneDNN's packed weight, 32 rows 71.9 (95) / 38.5 (176) / 44.5
+# (153), 256 rows 314.9 (173) / 249.6 (218) / 258.8 (210), 1,024 rows 1,328.9 (164) / 1,073.9 (202)
+# / 1,003.3 (217).
 BLOCKED_MAX_ROWS = 256
+
+
+def blocked_max_rows() -> int | None:
+    """Up to how many rows a float32 BlockedLinearWeight runs the blocked kernel on this CPU
+    (None: every row count)."""
+    from hybridkv.model_executor.cpu_features import cpu_features
+
+    return BLOCKED_MAX_ROWS if cpu_features().vendor == "GenuineIntel" else None
 
 
 class BlockedLinearWeight:
     """A float32 weight [N, K] in cpu_kernels' column-block layout (blocked_linear.cpp, which has
-    the measurements against oneDNN) for inputs of up to BLOCKED_MAX_ROWS rows (decode steps,
-    short chunks), F.linear on the parameter for more; call it like F.linear(x, weight, bias). It
+    the measurements against oneDNN) for inputs of up to blocked_max_rows() rows (on Intel:
+    decode steps, short chunks; elsewhere every input), F.linear on the parameter for more; call
+    it like F.linear(x, weight, bias). It
     replaces PackedLinearWeight's oneDNN copy, so the weight memory stays the parameter plus one
     copy."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: ModuleType) -> None:
         self.ops, self.out_features = ops, weight.shape[0]
         self.weight, self.bias = weight.detach(), bias
+        self.max_rows = blocked_max_rows()
         # On huge pages like the parameters (huge_pages.py): a decode step streams this copy.
         # Intel AMX VM, the demo model's projections x 30 layers: 1 row 15.7-16.2 -> 14.8 ms,
         # 16 rows 25.8-27.7 -> 24.9-25.0 ms.
@@ -317,7 +332,7 @@ class BlockedLinearWeight:
         self.padded_bias = None if bias is None else F.pad(bias.detach().float(), (0, padded - self.out_features))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.numel() > BLOCKED_MAX_ROWS * x.shape[-1]:
+        if x.dtype != torch.float32 or (self.max_rows is not None and x.numel() > self.max_rows * x.shape[-1]):
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
         out = self.ops.blocked_linear(x.reshape(-1, shape[-1]), self.packed, self.padded_bias, self.out_features)

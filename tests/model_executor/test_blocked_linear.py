@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(ops is None, reason="the CPU kernels did not bui
 @pytest.mark.parametrize("n, k", [(1, 5), (16, 64), (17, 37), (47, 64), (48, 8), (100, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_blocked_linear_equals_f_linear(rows, n, k, with_bias):
-    """The kernel itself, at every row count (the layer sends it at most BLOCKED_MAX_ROWS)."""
+    """The kernel itself, at every row count (on Intel the layer sends it at most BLOCKED_MAX_ROWS)."""
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if with_bias else None
@@ -34,16 +34,25 @@ def test_blocked_linear_equals_f_linear(rows, n, k, with_bias):
     torch.testing.assert_close(linear(x).double(), want, atol=1e-4, rtol=1e-4)
 
 
-def test_the_layer_sends_up_to_blocked_max_rows_to_the_kernel_and_more_to_f_linear(monkeypatch):
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+def test_the_layer_sends_up_to_blocked_max_rows_to_the_kernel_and_more_to_f_linear(monkeypatch, vendor):
+    """On Intel, up to BLOCKED_MAX_ROWS rows go to the kernel and more to F.linear (MKL, faster
+    there); on other CPUs (where MKL is slower than the kernel) every row count goes to the kernel."""
+    from hybridkv.model_executor import cpu_features as features
+
+    real_features = features.cpu_features()
+    monkeypatch.setattr(features, "cpu_features", lambda: dataclasses.replace(real_features, vendor=vendor))
     w = torch.randn(20, 8)
     linear = layers.BlockedLinearWeight(w, None, ops)
     calls = []
     real = ops.blocked_linear
     monkeypatch.setattr(linear, "ops", type("Spy", (), {"blocked_linear": staticmethod(
         lambda *a: calls.append(a[0].shape[0]) or real(*a))})())
-    linear(torch.randn(layers.BLOCKED_MAX_ROWS, 8))
-    linear(torch.randn(layers.BLOCKED_MAX_ROWS + 1, 8))
-    assert calls == [layers.BLOCKED_MAX_ROWS]
+    for rows in (layers.BLOCKED_MAX_ROWS, layers.BLOCKED_MAX_ROWS + 1):
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(linear(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    intel = vendor == "GenuineIntel"
+    assert calls == ([layers.BLOCKED_MAX_ROWS] if intel else [layers.BLOCKED_MAX_ROWS, layers.BLOCKED_MAX_ROWS + 1])
 
 
 def test_blocked_linear_takes_strided_and_batched_inputs():

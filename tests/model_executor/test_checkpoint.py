@@ -363,7 +363,7 @@ def test_cpuinfo_parsing_tells_zen3_from_zen5():
     from hybridkv.model_executor.cpu_features import parse_cpuinfo
 
     zen3, zen5 = parse_cpuinfo(_ZEN3), parse_cpuinfo(_ZEN5)
-    assert (zen3.isa, zen3.native_bf16, zen3.model_name) == ("AVX2", False, "AMD EPYC")
+    assert (zen3.isa, zen3.native_bf16, zen3.model_name, zen3.vendor) == ("AVX2", False, "AMD EPYC", "AuthenticAMD")
     assert (zen5.isa, zen5.native_bf16) == ("AVX-512", True)
     assert zen3.describe() == "AMD EPYC (family 25 model 1, AVX2)"
     assert "family 26" in zen5.describe() and "avx512_bf16" in zen5.describe()
