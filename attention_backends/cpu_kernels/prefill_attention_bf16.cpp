@@ -27,10 +27,10 @@
 //     Per key block: S [16 x 64] = Q . K^T (four 16 x 16 float blocks), masked where a key lies
 //     after a row's query or before its window; the rows' block maxima, P = 2^(S log2 e - max)
 //     in bf16 and its sums; O += P . V with O's float32 rows loaded into the accumulators (tiles
-//     or vector registers) and stored back. A row's running maximum moves only when a block's exceeds it by more
-//     than 8 (log2 units), so O and the sums are rescaled rarely. The next block's scores are
-//     issued before this block's softmax. Blocks no row of the item may see are skipped. Items
-//     run largest first from a shared counter, like the float32 kernel's.
+//     or vector registers) and stored back. A row's running maximum moves only when a block's
+//     exceeds it by more than 8 (log2 units), so O and the sums are rescaled rarely. The next
+//     block's scores are issued before this block's softmax. Blocks no row of the item may see
+//     are skipped. Items run largest first from a shared counter, like the float32 kernel's.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -47,7 +47,7 @@
 namespace {
 
 constexpr int64_t kRows = 16;      // query rows per work item: one AMX tile of Q
-using hybridkv_bf16::kKeyBlock;     // keys per online-softmax block (the products' packed block)
+using hybridkv_bf16::kKeyBlock;    // keys per online-softmax block (the products' packed block)
 constexpr int64_t kMaxHead = 256;  // head sizes up to this (a multiple of 64) take this kernel
 constexpr float kNoMax = -1e30f;   // the running maximum before any key (as in the float32 kernel)
 
