@@ -13,7 +13,8 @@ from hybridkv.attention_backends.cpu_kernels import (BF16_PREFILL_PRODUCTS, load
 from hybridkv.attention_backends.metadata import StepSequences, build_attention_metadata
 from hybridkv.attention_backends.torch_native import TorchNativeAttention
 
-from test_torch_native import _prefill_kernel_case  # this folder is on sys.path (rootdir-less test modules)
+# this folder is on sys.path (rootdir-less test modules)
+from test_torch_native import _prefill_kernel_case, assert_same_bits_on_one_and_two_threads
 
 
 def _cpu_has(products: str) -> bool:
@@ -66,15 +67,7 @@ def test_bf16_prefill_kernel_is_as_close_to_the_definition_as_the_float32_kernel
 def test_bf16_prefill_kernel_output_does_not_depend_on_the_thread_count(bf16_kernel):
     """Items go to threads from a shared counter and each owns its rows: one thread or two, the
     same bits."""
-    args, _ = _prefill_kernel_case([(0, 500), (200, 64)], None, torch.bfloat16, 64, 3)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = bf16_kernel(*args)
-        torch.set_num_threads(max(2, threads))
-        assert torch.equal(bf16_kernel(*args), one)
-    finally:
-        torch.set_num_threads(threads)
+    assert_same_bits_on_one_and_two_threads(bf16_kernel, torch.bfloat16)
 
 
 def test_bf16_prefill_kernel_refuses_what_it_cannot_take(bf16_kernel):

@@ -398,21 +398,26 @@ def test_cpu_prefill_kernel_built_for_avx2_matches_attention_from_the_definition
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
-def test_cpu_prefill_kernel_output_does_not_depend_on_the_thread_count():
-    """Work items go to threads largest first from a shared counter: the split may differ from
-    run to run, the result may not (each item owns its rows)."""
-    from hybridkv.attention_backends.cpu_kernels import load_prefill_attention
-
-    kernel = load_prefill_attention()
-    args, _ = _prefill_kernel_case([(0, 500), (200, 64)], None, torch.float32, 64, 3)
+def assert_same_bits_on_one_and_two_threads(kernel, dtype) -> None:
+    """A prefill kernel's output on one thread and on two is the same bits (a long chunk from 0
+    and a short one after a prefix)."""
+    args, _ = _prefill_kernel_case([(0, 500), (200, 64)], None, dtype, 64, 3)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = kernel(*args)
         torch.set_num_threads(max(2, threads))
-        assert torch.equal(kernel(*args), one)
+        assert torch.equal(kernel(*args), one), "the output depends on the thread count"
     finally:
         torch.set_num_threads(threads)
+
+
+def test_cpu_prefill_kernel_output_does_not_depend_on_the_thread_count():
+    """Work items go to threads largest first from a shared counter: the split may differ from
+    run to run, the result may not (each item owns its rows)."""
+    from hybridkv.attention_backends.cpu_kernels import load_prefill_attention
+
+    assert_same_bits_on_one_and_two_threads(load_prefill_attention(), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
