@@ -91,12 +91,32 @@ void block_scores(const float* q, const scalar_t* const* keys, float* scores, in
 // R accumulator rows += sum_t p[r][t] * value[t] over t in [0, bl), the rows held in registers:
 // each value row is loaded (and widened from bf16) once for all R rows, the query heads under one
 // KV head, instead of once per row. A key no row gives weight (masked, or underflowed) is skipped.
+// Rows the next block reads, prefetched into L2 a key at a time while this block's values are summed.
+template <typename scalar_t>
+struct NextRows {
+  const scalar_t* const* keys = nullptr;
+  const scalar_t* const* values = nullptr;
+  int64_t n = 0;          // keys in the next block (0: none)
+  int64_t row_bytes = 0;
+  void fetch(int64_t t) const {
+    for (int64_t o = 0; o < row_bytes; o += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(keys[t]) + o, 0, 2);
+      __builtin_prefetch(reinterpret_cast<const char*>(values[t]) + o, 0, 2);
+    }
+  }
+  void fetch_from(int64_t t) const {
+    for (; t < n; ++t) fetch(t);
+  }
+};
+
 template <int NC, int R, typename scalar_t>
-void block_values(float* acc, int64_t D, const float* p, int64_t ldp, const scalar_t* const* values, int64_t bl) {
+void block_values(float* acc, int64_t D, const float* p, int64_t ldp, const scalar_t* const* values, int64_t bl,
+                  const NextRows<scalar_t>& next) {
   vfloat a[R][NC];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NC; ++c) a[r][c] = load_vec(acc + r * D + c * kLanes);
   for (int64_t t = 0; t < bl; ++t) {
+    if (t < next.n) next.fetch(t);
     bool any = false;
     for (int r = 0; r < R; ++r) any |= p[r * ldp + t] > 0.f;
     if (!any) continue;
@@ -109,6 +129,7 @@ void block_values(float* acc, int64_t D, const float* p, int64_t ldp, const scal
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NC; ++c) std::memcpy(acc + r * D + c * kLanes, &a[r][c], sizeof(vfloat));
+  next.fetch_from(bl);
 }
 
 // Accumulator registers the value loop may hold (of 32 vector registers with AVX-512, 16 with
@@ -117,20 +138,21 @@ constexpr int kValueAccumulators = kLanes == 16 ? 16 : 8;
 
 template <int NC, typename scalar_t>
 void values_rows(float* acc, int64_t D, const float* p, int64_t ldp, const scalar_t* const* values, int64_t bl,
-                 int64_t nr) {
+                 int64_t nr, const NextRows<scalar_t>& next) {
+  const NextRows<scalar_t> none;  // the first pass over the keys prefetches, later ones need not
   constexpr int kR = kValueAccumulators / NC > 4 ? 4 : (kValueAccumulators / NC < 1 ? 1 : kValueAccumulators / NC);
   int64_t r = 0;
-  for (; r + kR <= nr; r += kR) block_values<NC, kR>(acc + r * D, D, p + r * ldp, ldp, values, bl);
+  for (; r + kR <= nr; r += kR) block_values<NC, kR>(acc + r * D, D, p + r * ldp, ldp, values, bl, r == 0 ? next : none);
   // The rest (fewer than kR rows; a decode's 3 query heads under a KV head when kR is 4) in one pass.
   switch (nr - r) {
     case 0: return;
-    case 1: return block_values<NC, 1>(acc + r * D, D, p + r * ldp, ldp, values, bl);
-    case 2: if constexpr (kR > 2) return block_values<NC, 2>(acc + r * D, D, p + r * ldp, ldp, values, bl);
+    case 1: return block_values<NC, 1>(acc + r * D, D, p + r * ldp, ldp, values, bl, r == 0 ? next : none);
+    case 2: if constexpr (kR > 2) return block_values<NC, 2>(acc + r * D, D, p + r * ldp, ldp, values, bl, r == 0 ? next : none);
             break;
-    case 3: if constexpr (kR > 3) return block_values<NC, 3>(acc + r * D, D, p + r * ldp, ldp, values, bl);
+    case 3: if constexpr (kR > 3) return block_values<NC, 3>(acc + r * D, D, p + r * ldp, ldp, values, bl, r == 0 ? next : none);
             break;
   }
-  for (; r < nr; ++r) block_values<NC, 1>(acc + r * D, D, p + r * ldp, ldp, values, bl);
+  for (; r < nr; ++r) block_values<NC, 1>(acc + r * D, D, p + r * ldp, ldp, values, bl, r == 0 ? next : none);
 }
 
 // bf16 keys on a CPU with AVX512-BF16: q . k by vdpbf16ps on both rows as stored (bf16 pairs,
@@ -186,12 +208,13 @@ void scores_row(const float* q, const scalar_t* q_raw, float scale, const scalar
 // acc [nr x D] += P [nr x bl] (row stride ldp) . values.
 template <typename scalar_t>
 void values_all(float* acc, const float* p, int64_t ldp, const scalar_t* const* values, int64_t bl, int64_t nr,
-                int64_t D) {
+                int64_t D, const NextRows<scalar_t>& next) {
   switch (D / kLanes * (D % kLanes == 0)) {
-    case 4: return values_rows<4>(acc, D, p, ldp, values, bl, nr);
-    case 8: return values_rows<8>(acc, D, p, ldp, values, bl, nr);
-    case 16: return values_rows<16>(acc, D, p, ldp, values, bl, nr);
+    case 4: return values_rows<4>(acc, D, p, ldp, values, bl, nr, next);
+    case 8: return values_rows<8>(acc, D, p, ldp, values, bl, nr, next);
+    case 16: return values_rows<16>(acc, D, p, ldp, values, bl, nr, next);
   }
+  next.fetch_from(0);
   for (int64_t r = 0; r < nr; ++r)
     for (int64_t t = 0; t < bl; ++t)
       if (p[r * ldp + t] > 0.f) axpy(acc + r * D, p[r * ldp + t], values[t], D);
@@ -212,11 +235,51 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const int64_t per_thread = max_rows * (kBlock + 2 * c.D + 2);
   auto scratch = torch::empty({at::get_num_threads(), per_thread}, q.options().dtype(torch::kFloat32));
   float* scratch_base = scratch.data_ptr<float>();
-  // Per thread: the addresses of one block's key and value rows, looked up through the pages once
-  // for all the group's rows.
-  std::vector<const scalar_t*> row_ptrs(static_cast<size_t>(at::get_num_threads()) * 2 * kBlock);
+  // Per thread, two buffers: the addresses of one block's key and value rows, looked up through
+  // the pages once for all the group's rows; the next block's are looked up (and prefetched)
+  // while this one is computed.
+  std::vector<const scalar_t*> row_ptrs(static_cast<size_t>(at::get_num_threads()) * 4 * kBlock);
 
   const int64_t row_bytes = c.D * static_cast<int64_t>(sizeof(scalar_t));
+  // Keys an item reads: [window_start(first row), last row's position].
+  auto item_first = [&](int64_t item) { return c.window_start(c.pos[c.gs[item / c.Hkv]]); };
+  auto item_last = [&](int64_t item) { return static_cast<int64_t>(c.pos[c.gs[item / c.Hkv + 1] - 1]); };
+  // The addresses of keys [b0, b0 + bl) of `item` (a page at a time) into keys/values; with
+  // `prefetch`, every line of them is prefetched at once (a thread's first block, which has no
+  // earlier block to hide behind).
+  //
+  // Why prefetch at all: the pages are scattered, so the hardware's stream prefetcher restarts at
+  // every page. Into L2 (locality 2), not L1: a block's rows (256 keys x K and V x 128 bytes in
+  // bf16 at D 64) are more than L1 holds, and prefetching them into it evicted what the scores
+  // were reading (2-core AMD EPYC Zen 4, bf16, 32 decodes of 150-280 keys, 9/3 heads, D 64, 30
+  // layers' caches on shuffled pages, a layer: 450-530 -> 340-355 us). Why a block ahead and a key
+  // at a time: issued all at once before the block's arithmetic, the prefetches filled the core's
+  // miss queue and the loads waited behind them, so the block's memory time and its arithmetic
+  // ran one after the other. Spread over the previous block's value loop they overlap (same
+  // machine and caches, a layer, before -> after: bf16 15 decodes of ~550 keys 379-401 -> 325-348
+  // us, 32 of 150-280 397-416 -> 328-386, 8 of ~2,000 755-769 -> 548-569; float32 667-780 ->
+  // 580-665, 604-662 -> 530-542, 1,298-1,405 -> 1,049-1,116; cache-resident unchanged).
+  auto look_up = [&](int64_t item, int64_t b0, int64_t bl, const scalar_t** keys, const scalar_t** values, bool prefetch) {
+    const int64_t g = item / c.Hkv, h = item % c.Hkv;
+    const int32_t* row_pages = c.bt + c.gr[g] * c.bt_stride;
+    for (int64_t t = b0; t < b0 + bl;) {
+      const int64_t pi = t / page_size, off = t - pi * page_size;
+      TORCH_CHECK(pi < c.bt_width, "position ", t, " is past the block table's ", c.bt_width, " pages");
+      const int64_t n = std::min<int64_t>(page_size - off, b0 + bl - t);
+      const int64_t slot = static_cast<int64_t>(row_pages[pi]) * page_size + off;
+      const scalar_t* kr = c.kp + h * c.kh + slot * c.ks;
+      const scalar_t* vr = c.vp + h * c.vh + slot * c.vs;
+      for (int64_t i = 0; i < n; ++i, ++t) {
+        keys[t - b0] = kr + i * c.ks;
+        values[t - b0] = vr + i * c.vs;
+        if (prefetch)
+          for (int64_t o = 0; o < row_bytes; o += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(keys[t - b0]) + o, 0, 2);
+            __builtin_prefetch(reinterpret_cast<const char*>(values[t - b0]) + o, 0, 2);
+          }
+      }
+    }
+  };
   at::parallel_for(0, c.G * c.Hkv, 1, [&](int64_t begin, int64_t end) {
     float* mine = scratch_base + at::get_thread_num() * per_thread;
     float* qf = mine;
@@ -224,15 +287,18 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
     float* acc = scores + max_rows * kBlock;
     float* m = acc + max_rows * c.D;
     float* l = m + max_rows;
-    const scalar_t** keys = row_ptrs.data() + at::get_thread_num() * 2 * kBlock;
-    const scalar_t** values = keys + kBlock;
+    const scalar_t** buf = row_ptrs.data() + at::get_thread_num() * 4 * kBlock;
+    int cur = 0;  // which half of buf holds the block about to be computed
+    {
+      const int64_t f = item_first(begin);
+      look_up(begin, f, std::min<int64_t>(kBlock, item_last(begin) - f + 1), buf, buf + kBlock, true);
+    }
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / c.Hkv, h = item % c.Hkv;
       const int64_t r0 = c.gs[g], r1 = c.gs[g + 1];
       const int64_t nr = (r1 - r0) * c.grp;  // score rows: query rows x query heads of this KV head
-      const int64_t first = c.window_start(c.pos[r0]);
-      const int64_t last = c.pos[r1 - 1];  // positions grow within a group
-      const int32_t* row_pages = c.bt + c.gr[g] * c.bt_stride;
+      const int64_t first = item_first(item);
+      const int64_t last = item_last(item);  // positions grow within a group
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t j = 0; j < c.grp; ++j) {
           const scalar_t* src = c.query(r, h * c.grp + j);
@@ -246,36 +312,25 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       std::fill(acc, acc + nr * c.D, 0.f);
       for (int64_t b0 = first; b0 <= last; b0 += kBlock) {
         const int64_t bl = std::min<int64_t>(kBlock, last - b0 + 1);
-        std::fill(scores, scores + nr * kBlock, neg_inf);
-        // The block's key and value rows, through the pages; then each row's scores over the keys
-        // it may see (the others stay -inf).
-        // A page at a time, and every line of the block's rows prefetched as its address is
-        // known: the pages are scattered, so the hardware's stream prefetcher restarts at every
-        // page, and the block's rows are all read again per query row. Intel AMX VM, 2 threads,
-        // 32 decodes, 9/3 heads, D 64, 30 layers' caches read from memory: 95 keys 9.4 -> 8.5-8.6
-        // ms (float32), 10.3 -> 9.1-9.5 (bfloat16); 550 keys 59.1 -> 54.2-55.3, 62.8 -> 51.6-52.9.
-        // Into L2 (prefetcht1), not L1: a block's rows (256 keys x K and V x 128 bytes in bf16 at
-        // D 64) are more than L1 holds, so prefetching them into it evicted what the scores were
-        // reading. 2-core AMD EPYC Zen 4, bf16, 32 decodes, 9/3 heads, D 64, 30 layers' caches on
-        // shuffled pages, a layer: 150-280 keys each 450-530 -> 340-355 us, 1,020-1,051 keys 2,109
-        // -> 1,643 us; cache-resident 172 -> 154 us. (The Intel figures above were with L1.)
-        for (int64_t t = b0; t < b0 + bl;) {
-          const int64_t pi = t / page_size, off = t - pi * page_size;
-          TORCH_CHECK(pi < c.bt_width, "position ", t, " is past the block table's ", c.bt_width, " pages");
-          const int64_t n = std::min<int64_t>(page_size - off, b0 + bl - t);
-          const int64_t slot = static_cast<int64_t>(row_pages[pi]) * page_size + off;
-          const scalar_t* kr = c.kp + h * c.kh + slot * c.ks;
-          const scalar_t* vr = c.vp + h * c.vh + slot * c.vs;
-          for (int64_t i = 0; i < n; ++i, ++t) {
-            keys[t - b0] = kr + i * c.ks;
-            values[t - b0] = vr + i * c.vs;
-            for (int64_t o = 0; o < row_bytes; o += 64) {
-              __builtin_prefetch(reinterpret_cast<const char*>(keys[t - b0]) + o, 0, 2);
-              __builtin_prefetch(reinterpret_cast<const char*>(values[t - b0]) + o, 0, 2);
-            }
-          }
+        const scalar_t** keys = buf + cur * 2 * kBlock;
+        const scalar_t** values = keys + kBlock;
+        // The next block's rows (the rest of this item's keys, or the next item's first block)
+        // are looked up now and prefetched a key at a time while this block's values are summed
+        // (NextRows), so they arrive during this block's arithmetic.
+        cur ^= 1;
+        const scalar_t** next_keys = buf + cur * 2 * kBlock;
+        const scalar_t** next_values = next_keys + kBlock;
+        NextRows<scalar_t> next{next_keys, next_values, 0, row_bytes};
+        if (b0 + kBlock <= last) {
+          next.n = std::min<int64_t>(kBlock, last - b0 - kBlock + 1);
+          look_up(item, b0 + kBlock, next.n, next_keys, next_values, false);
+        } else if (item + 1 < end) {
+          const int64_t f = item_first(item + 1);
+          next.n = std::min<int64_t>(kBlock, item_last(item + 1) - f + 1);
+          look_up(item + 1, f, next.n, next_keys, next_values, false);
         }
-
+        // Each row's scores over the keys it may see (the others stay -inf).
+        std::fill(scores, scores + nr * kBlock, neg_inf);
         for (int64_t r = r0; r < r1; ++r) {
           const int64_t p = c.pos[r];
           const int64_t lo = std::max<int64_t>(b0, window > 0 ? p - window + 1 : 0) - b0;
@@ -311,7 +366,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
           }
         }
         // The weighted sum of the block's values (a key a row may not see has weight 0).
-        values_all(acc, scores, kBlock, values, bl, nr, c.D);
+        values_all(acc, scores, kBlock, values, bl, nr, c.D, next);
       }
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t j = 0; j < c.grp; ++j) {
