@@ -132,16 +132,16 @@ def main() -> None:
     # The roofline is probed twice, right after hybridkv's runs and at the end: these VMs drift
     # between phases (copy bandwidth 23.8 vs 35.2 GB/s in two passes an hour apart on one), and
     # the higher of each pair is the limit, so a slow phase cannot flatter the "of limit" column.
-    probes = [(roofline.copy_bandwidth(), roofline.gemm_rate(dtype))]
+    probes = [(roofline.copy_bandwidth(), roofline.gemm_rate(dtype), roofline.read_bandwidth())]
     theirs = {} if args.skip_hf else hf_runs(args, w, model_dir, dtype)
     peer, peer_name = {}, "vLLM-CPU (not run: --peer vllm)"
     if args.peer == "vllm":
         peer, peer_name = peer_vllm.vllm_runs(model_dir, str(dtype).removeprefix("torch."), args.repeats,
                                               args.peer_dir, args.peer_harness)
-    from hybridkv.model_executor.cpu_features import cpu_features
+    from hybridkv.cpu_features import cpu_features
 
-    probes.append((roofline.copy_bandwidth(), roofline.gemm_rate(dtype)))
-    bandwidth, gemm = max(p[0] for p in probes), max(p[1] for p in probes)
+    probes.append((roofline.copy_bandwidth(), roofline.gemm_rate(dtype), roofline.read_bandwidth()))
+    bandwidth, gemm, read = (max(p[i] for p in probes) for i in range(3))
     cost = roofline.dense_model_cost(model_dir, dtype)
     b = w["b_batch32"]
     limits = {  # tok/s bounds for the workloads with a throughput figure
@@ -155,7 +155,8 @@ def main() -> None:
           f"threads={torch.get_num_threads()} repeats={args.repeats} (median wall time)")
     print("roofline probes (after hybridkv's runs, at the end): copy "
           + " / ".join(f"{p[0] / 1e9:.1f}" for p in probes) + " GB/s, GEMM "
-          + " / ".join(f"{p[1] / 1e9:.0f}" for p in probes) + " GFLOP/s; the higher of each counts")
+          + " / ".join(f"{p[1] / 1e9:.0f}" for p in probes) + " GFLOP/s, read (diagnostic) "
+          + " / ".join(f"{p[2] / 1e9:.1f}" for p in probes) + " GB/s; the higher of each counts")
     print(f"roofline (this run): copy {bandwidth / 1e9:.1f} GB/s / {cost.weight_bytes / 1e6:.0f} MB of weights "
           f"per step -> decode <= {limits['a_decode']:.1f} tok/s at batch 1, {limits['b_batch32']:.0f} tok/s at "
           f"batch {len(b['prompts_ids'])} (b's prefill not counted); GEMM {gemm / 1e9:.0f} GFLOP/s -> "
@@ -168,6 +169,9 @@ def main() -> None:
         limit = f"{n / t / limits[key]:9.2f}" if key in limits else "-"
         print(f"{key:<16}{fmt(n, t):>22}{fmt(n, theirs.get(hf_key)):>22}{fmt(n, peer.get(peer_key)):>22}"
               f"{ratio(theirs.get(hf_key), t):>8}{ratio(peer.get(peer_key), t):>9}{limit:>10}")
+    read_limit = cost.decode_limit(read, gemm)
+    print(f"decode against the read line (diagnostic): read {read / 1e9:.1f} GB/s -> <= {read_limit:.1f} tok/s "
+          f"at batch 1; a_decode {work['a_decode'] / ours['a_decode'] / read_limit:.2f} of it")
     print(f"peer: {peer_name}; ratios are speedups of hybridkv (other engine's time / hybridkv's)")
     print(f"prefix caching speedup on d (same run): {ours['d_prefix_off'] / ours['d_prefix_on']:.2f}x")
     result = {key: ours[key] for key in ours} | {f"vllm_{k}": v for k, v in peer.items()}

@@ -40,5 +40,6 @@ def test_decode_limit_is_bandwidth_bound_at_batch_one_and_compute_bound_at_large
 
 def test_measured_rates_are_positive_and_finite():
     bw = roofline.copy_bandwidth(mib=8, repeats=2)
+    read = roofline.read_bandwidth(mib=8, repeats=2)
     gemm = roofline.gemm_rate(torch.float32, n=128, repeats=2)
-    assert 1e8 < bw < 1e13 and 1e7 < gemm < 1e14
+    assert 1e8 < bw < 1e13 and 1e8 < read < 1e13 and 1e7 < gemm < 1e14
