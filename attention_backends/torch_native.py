@@ -45,7 +45,6 @@ never by batch x longest context:
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +53,7 @@ from hybridkv.attention_backends.cpu_kernels import (load_paged_attention, load_
                                                      load_prefill_attention_bf16, load_write_kv)
 from hybridkv.attention_backends.metadata import AttentionMetadata, DecodeTile, PrefillSeq, TileSizes
 from hybridkv.block_manager.space_spec import window_start
+from hybridkv.cpu_features import cpu_features
 
 _SMALL_DECODE_ELEMENTS = 1 << 16  # gathered key elements below which decode runs in float32
 # Stand-in for -inf as the running max of an online softmax: a fully masked tile then gives
@@ -230,11 +230,10 @@ class TorchNativeAttention:
         return out
 
 
-@functools.lru_cache(maxsize=1)
 def _native_bf16_matmuls() -> bool:
-    """Whether this CPU has bf16 dot products (AVX512-BF16 or AMX), as torch itself probes it."""
-    probes = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
-    return any(bool(probe()) for probe in probes if probe is not None)
+    """Whether this CPU has bf16 dot products (AVX512-BF16 or AMX-BF16): the one answer the
+    engine uses everywhere (hybridkv.cpu_features; tests patch this seam)."""
+    return cpu_features().native_bf16
 
 
 def _key_chunk(queries: int, sizes: TileSizes) -> int:

@@ -20,7 +20,7 @@ import time
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.block_manager.block_space import BlockSpace
-from hybridkv.model_executor.cpu_features import cpu_features
+from hybridkv.cpu_features import cpu_features
 
 
 def main(argv: list[str] | None = None) -> int:

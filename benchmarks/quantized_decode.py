@@ -40,7 +40,7 @@ from safetensors.torch import save_file  # noqa: E402
 from hybridkv.engine.sampling_params import SamplingParams  # noqa: E402
 from hybridkv.entrypoints import LLM  # noqa: E402
 from hybridkv.model_executor.checkpoint import iter_weights, weight_files  # noqa: E402
-from hybridkv.model_executor.cpu_features import cpu_features  # noqa: E402
+from hybridkv.cpu_features import cpu_features  # noqa: E402
 from hybridkv.model_executor.quantization import (  # noqa: E402
     attach_block_scales, checkpoint_bytes, parse_quantization_config, weight_memory_bytes,
 )

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from hybridkv.attention_backends.hybrid_metadata import PREFILL_BLOCK_ROWS  # noqa: E402
 from hybridkv.engine.sampling_params import SamplingParams  # noqa: E402
 from hybridkv.entrypoints import LLM  # noqa: E402
-from hybridkv.model_executor.cpu_features import cpu_features  # noqa: E402
+from hybridkv.cpu_features import cpu_features  # noqa: E402
 
 
 BENCH_CONFIG = dict(

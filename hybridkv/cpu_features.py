@@ -5,6 +5,10 @@ These machines are not all the same CPU: AMD Zen 5 has AVX-512 with native bf16 
 there: F.linear 1024x576x1536 at 20 GFLOP/s in bf16 vs 138 in fp32). `dtype="auto"` uses this
 to keep a bf16 checkpoint in float32 on CPUs without native bf16 (checkpoint.resolve_dtype),
 and benchmarks print `describe()` next to every figure.
+
+It sits at the package root, below every layer, because both model_executor (dtypes, which
+linear kernel serves a weight) and attention_backends (which prefill kernel serves bf16) ask it,
+and attention_backends may not import model_executor.
 """
 from __future__ import annotations
 

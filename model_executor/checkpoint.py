@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.model_executor.cpu_features import cpu_features
+from hybridkv.cpu_features import cpu_features
 
 logger = logging.getLogger(__name__)
 

@@ -233,7 +233,7 @@ BLOCKED_MAX_ROWS_BF16 = 512
 
 def blocked_max_rows_bf16() -> int:
     """Up to how many rows a bf16 PackedLinearWeight runs the vdpbf16ps kernel on this CPU."""
-    from hybridkv.model_executor.cpu_features import cpu_features
+    from hybridkv.cpu_features import cpu_features
 
     return BLOCKED_MAX_ROWS_BF16_BESIDE_AMX if "amx_bf16" in cpu_features().flags else BLOCKED_MAX_ROWS_BF16
 
@@ -307,7 +307,7 @@ BLOCKED_MAX_ROWS = 256
 def blocked_max_rows() -> int | None:
     """Up to how many rows a float32 BlockedLinearWeight runs the blocked kernel on this CPU
     (None: every row count)."""
-    from hybridkv.model_executor.cpu_features import cpu_features
+    from hybridkv.cpu_features import cpu_features
 
     return BLOCKED_MAX_ROWS if cpu_features().vendor == "GenuineIntel" else None
 
@@ -418,7 +418,7 @@ LARGE_WEIGHT = 1 << 22  # elements
 
 def cpu_computes_natively(dtype: torch.dtype) -> bool:
     """Whether this CPU has native compute for `dtype` (cpu_features decides; tests patch this)."""
-    from hybridkv.model_executor.cpu_features import cpu_features
+    from hybridkv.cpu_features import cpu_features
 
     return cpu_features().native(dtype)
 

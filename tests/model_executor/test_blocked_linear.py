@@ -38,7 +38,7 @@ def test_blocked_linear_equals_f_linear(rows, n, k, with_bias):
 def test_the_layer_sends_up_to_blocked_max_rows_to_the_kernel_and_more_to_f_linear(monkeypatch, vendor):
     """On Intel, up to BLOCKED_MAX_ROWS rows go to the kernel and more to F.linear (MKL, faster
     there); on other CPUs (where MKL is slower than the kernel) every row count goes to the kernel."""
-    from hybridkv.model_executor import cpu_features as features
+    from hybridkv import cpu_features as features
 
     real_features = features.cpu_features()
     monkeypatch.setattr(features, "cpu_features", lambda: dataclasses.replace(real_features, vendor=vendor))
@@ -116,7 +116,7 @@ def test_bf16_packed_linear_sends_up_to_blocked_max_rows_bf16_to_the_kernel_and_
     through oneDNN; both agree with F.linear to bf16 precision."""
     if not layers.packing_supported(torch.zeros(1, 1, dtype=torch.bfloat16)):
         pytest.skip("no oneDNN bf16 packing here")
-    from hybridkv.model_executor import cpu_features as features
+    from hybridkv import cpu_features as features
 
     real_features = features.cpu_features()
     flags = real_features.flags | {"amx_bf16"} if amx else real_features.flags - {"amx_bf16"}

@@ -360,7 +360,7 @@ _ZEN5 = _ZEN3.replace("cpu family\t: 25", "cpu family\t: 26").replace("avx2 fma"
 
 def test_cpuinfo_parsing_tells_zen3_from_zen5():
     """The ISA, native bf16 and family come from the first processor block of /proc/cpuinfo."""
-    from hybridkv.model_executor.cpu_features import parse_cpuinfo
+    from hybridkv.cpu_features import parse_cpuinfo
 
     zen3, zen5 = parse_cpuinfo(_ZEN3), parse_cpuinfo(_ZEN5)
     assert (zen3.isa, zen3.native_bf16, zen3.model_name, zen3.vendor) == ("AVX2", False, "AMD EPYC", "AuthenticAMD")
@@ -379,7 +379,7 @@ def test_auto_dtype_keeps_a_bf16_checkpoint_in_float32_without_native_bf16(cpu, 
     import logging
 
     from hybridkv.model_executor import checkpoint
-    from hybridkv.model_executor.cpu_features import parse_cpuinfo
+    from hybridkv.cpu_features import parse_cpuinfo
 
     monkeypatch.setattr(checkpoint, "cpu_features", lambda: parse_cpuinfo(cpu))
     cfg = _tiny_config(dtype="bfloat16")
