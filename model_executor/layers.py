@@ -262,8 +262,8 @@ class PackedLinearWeight:
         self.blocked = blocked_bf16_for(self.weight)
         self.blocked_rows = 0 if self.blocked is None else blocked_max_rows_bf16()
         if self.blocked is not None:
-            self.blocked_packed = on_huge_pages(self.blocked.pack_blocked_linear_bf16(self.weight))
-            padded = self.blocked_packed.shape[0] * self.blocked_packed.shape[2]
+            self.blocked_packed = on_huge_pages(self.blocked.pack_interleaved_linear_bf16(self.weight))
+            padded = self.blocked_packed.shape[0] * 16  # column blocks x 16
             self.padded_bias = None if bias is None else F.pad(bias.detach().float(), (0, padded - self.out_features))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

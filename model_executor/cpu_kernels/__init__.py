@@ -35,12 +35,14 @@ def fused_ops() -> ModuleType | None:
 
 @functools.lru_cache(maxsize=1)
 def blocked_linear_ops() -> ModuleType | None:
-    """blocked_linear.cpp compiled (`pack_blocked_linear`, `blocked_linear`, and the bf16 pair
-    `pack_blocked_linear_bf16` / `blocked_linear_bf16` where `blocked_bf16_available()`), or None
-    when it cannot be built here."""
+    """blocked_linear.cpp compiled (`pack_blocked_linear`, `blocked_linear`, and for bf16
+    `pack_interleaved_linear_bf16` / `blocked_linear_bf16` where `blocked_bf16_available()`, and
+    `pack_blocked_linear_bf16`, the plain column blocks amx_linear.cpp reads), or None when it
+    cannot be built here."""
     return build_cpu_extension("hybridkv_blocked_linear", Path(__file__).with_name("blocked_linear.cpp"),
                                ["pack_blocked_linear", "blocked_linear", "pack_blocked_linear_bf16",
-                                "blocked_linear_bf16", "blocked_bf16_available"], "CPU blocked linear")
+                                "pack_interleaved_linear_bf16", "blocked_linear_bf16", "blocked_bf16_available"],
+                               "CPU blocked linear")
 
 
 @functools.lru_cache(maxsize=1)

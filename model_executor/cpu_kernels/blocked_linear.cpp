@@ -175,25 +175,36 @@ torch::Tensor blocked_linear(torch::Tensor x, torch::Tensor packed, c10::optiona
 
 // ---- bfloat16 on AVX512-BF16 (vdpbf16ps) ---------------------------------------------------------
 //
-// The same column blocks for a bf16 weight, with k taken in pairs: [ceil(N / 16), K / 2, 16, 2], so
-// one 64-byte row of a block holds 16 columns x 2 consecutive k, the operand vdpbf16ps multiplies
-// against a broadcast pair of x (x[m][k], x[m][k + 1]) and adds into 16 float32 column sums. The
-// products of bf16 values are exact and the sums are float32, as in oneDNN's bf16 linear; the
-// result is rounded to bf16 once. For decode-sized row counts, where oneDNN's bf16 linear streams the
-// weights at ~14 GB/s of this VM's ~25 (see layers.BLOCKED_MAX_ROWS_BF16).
+// The same column blocks for a bf16 weight, with k taken in pairs: [ceil(N / 16), K / 2, 16, 2]
+// (pack_blocked_linear_bf16; the layout amx_linear.cpp reads). One 64-byte row of a block holds 16
+// columns x 2 consecutive k, the operand vdpbf16ps multiplies against a broadcast pair of x
+// (x[m][k], x[m][k + 1]) and adds into 16 float32 column sums. The products of bf16 values are
+// exact and the sums are float32, as in oneDNN's bf16 linear; the result is rounded to bf16 once.
+// For decode-sized row counts, where oneDNN's bf16 linear streams the weights at ~14 GB/s of this
+// VM's ~25 (see layers.BLOCKED_MAX_ROWS_BF16).
+//
+// This kernel reads the blocks interleaved (pack_interleaved_linear_bf16): each group of kCB
+// blocks that one work item multiplies is stored k-pair-major, [K / 2, kCB, 16, 2], so the item
+// streams one contiguous run instead of kCB runs K * 32 bytes apart; the last, narrower group is
+// interleaved among its own blocks. The products and their order are unchanged, so are the bits.
+// 2-core Zen 4, the demo model's projections x 30 layers at one row, weights on huge pages, GB/s
+// read, eight alternating runs in one process: kCB runs 26.8-32.3, one run 35.6-38.9 (a read probe
+// beside them: 48-58).
 namespace {
 
 #if defined(__AVX512F__)
-template <int MR, int CB>
+template <int MR, int CB, int G = CB>  // CB blocks of a run of G interleaved ones (CB < G: the first CB)
 __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) inline void tile_bf16(
     const uint16_t* __restrict__ x, int64_t K, const uint16_t* __restrict__ w, int64_t block_stride,
     const float* __restrict__ bias, uint16_t* __restrict__ y, int64_t ldy, int64_t n0, int64_t cols) {
+  // w: a run of G interleaved blocks; block c's k-pair kp at (kp * G + c) * 32 (block_stride unused)
+  (void)block_stride;
   __m512 acc[MR][CB];
   for (int m = 0; m < MR; ++m)
     for (int c = 0; c < CB; ++c) acc[m][c] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     __m512bh wv[CB];
-    for (int c = 0; c < CB; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * block_stride + kp * 32);
+    for (int c = 0; c < CB; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + (kp * G + c) * 32);
     for (int m = 0; m < MR; ++m) {
       int32_t pair;
       std::memcpy(&pair, x + m * K + 2 * kp, 4);
@@ -222,6 +233,16 @@ struct Bf16Tile {
     tile_bf16<MR, CB>(x, K, w, block_stride, bias, y, ldy, n0, cols);
   }
 };
+
+// One block of a run of G interleaved blocks (w points at that block's first pair).
+template <int G>
+struct Bf16LastTile {
+  template <int MR>
+  static void run(const uint16_t* x, int64_t K, const uint16_t* w, int64_t block_stride, const float* bias,
+                  uint16_t* y, int64_t ldy, int64_t n0, int64_t cols) {
+    tile_bf16<MR, 1, G>(x, K, w, block_stride, bias, y, ldy, n0, cols);
+  }
+};
 #endif
 
 }  // namespace
@@ -247,14 +268,32 @@ torch::Tensor pack_blocked_linear_bf16(torch::Tensor weight) {
   return packed;
 }
 
-// x [M, K] bfloat16 against a pack_blocked_linear_bf16 weight of N output columns; bias, when
+// W [N, K] bfloat16 (K even) -> blocked_linear_bf16's layout: pack_blocked_linear_bf16's blocks,
+// each group of kCB of them (the last: what is left) interleaved k-pair-major, [K / 2, cb, 16, 2];
+// stored flat, [ceil(N / 16), K * 16], so that the other layout's 4-d tensor is refused.
+torch::Tensor pack_interleaved_linear_bf16(torch::Tensor weight) {
+  const auto blocks4 = pack_blocked_linear_bf16(weight);
+  const int64_t blocks = blocks4.size(0), K2 = blocks4.size(1);
+  auto packed = torch::empty({blocks, K2 * 32}, weight.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(blocks4.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  for (int64_t c0 = 0; c0 < blocks; c0 += kCB) {
+    const int64_t cb = std::min<int64_t>(kCB, blocks - c0);
+    for (int64_t c = 0; c < cb; ++c)
+      for (int64_t kp = 0; kp < K2; ++kp)
+        std::memcpy(dst + c0 * K2 * 32 + (kp * cb + c) * 32, src + ((c0 + c) * K2 + kp) * 32, 64);
+  }
+  return packed;
+}
+
+// x [M, K] bfloat16 against a pack_interleaved_linear_bf16 weight of N output columns; bias, when
 // given, float32 with blocks * 16 entries (zero past N). Returns [M, N] bfloat16. Needs AVX512-BF16.
 torch::Tensor blocked_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N) {
   TORCH_CHECK(hybridkv_cpu::cpu_has_avx512_bf16(), "blocked_linear_bf16: this CPU has no AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "blocked_linear_bf16: x must be [M, K] bfloat16");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(2) == kBlockCols && packed.size(3) == 2 && packed.size(1) * 2 == x.size(1),
-              "blocked_linear_bf16: packed must be a pack_blocked_linear_bf16 weight of x's K");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(1) == x.size(1) * kBlockCols,
+              "blocked_linear_bf16: packed must be a pack_interleaved_linear_bf16 weight of x's K");
   const int64_t blocks = packed.size(0), K = x.size(1), M = x.size(0);
   TORCH_CHECK(N > (blocks - 1) * kBlockCols && N <= blocks * kBlockCols,
               "blocked_linear_bf16: N does not match the blocks");
@@ -278,7 +317,16 @@ torch::Tensor blocked_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::op
         rows<Bf16Tile<kCB>>(x, mr, K, wb, stride, b, yr, N, n0, cols);
       },
       [&](const uint16_t* x, int64_t mr, const uint16_t* wb, uint16_t* yr, int64_t n0, int64_t cols) {
-        rows<Bf16Tile<1>>(x, mr, K, wb, stride, b, yr, N, n0, cols);
+        // A block c of the last, narrower group (cb = blocks - c_last blocks, interleaved among
+        // themselves): for_each_item hands it over as w + c * stride, where the group's run starts
+        // at w + c_last * stride; the block sits 32 elements further per block before it.
+        const int64_t c = n0 / kBlockCols, c_last = blocks - blocks % kCB, cb = blocks - c_last;
+        const uint16_t* group = w + c_last * stride;
+        switch (cb) {
+          case 1: return rows<Bf16Tile<1>>(x, mr, K, group, stride, b, yr, N, n0, cols);
+          case 2: return rows<Bf16LastTile<2>>(x, mr, K, group + (c - c_last) * 32, stride, b, yr, N, n0, cols);
+        }
+        static_assert(kCB == 3, "the last group has 1 or 2 blocks");
       });
 #endif
   return y;

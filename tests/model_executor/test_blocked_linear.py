@@ -89,23 +89,38 @@ needs_bf16 = pytest.mark.skipif(ops is None or not ops.blocked_bf16_available(),
 
 @needs_bf16
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 300])
-@pytest.mark.parametrize("n, k", [(1, 6), (16, 64), (17, 38), (47, 64), (100, 576)])
+@pytest.mark.parametrize("n, k", [(1, 6), (16, 64), (17, 38), (47, 64), (80, 64), (100, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_blocked_linear_bf16_rounds_the_exact_product_once(rows, n, k, with_bias):
     """bf16 x and W, float32 sums of exact products, one rounding to bf16 at the end: every output
     is within one bf16 rounding (2^-8 relative) of the float64 result, plus float32 summation
     noise. Row counts past one 8-row register block and one 256-row tile, widths ending inside a
-    16-column block and inside a 3-block group."""
+    16-column block and inside a 3-block group, and last groups of one and two interleaved blocks
+    after full ones (80 and 100 columns)."""
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g) if with_bias else None
     x = torch.randn(rows, k, generator=g).bfloat16()
-    packed = ops.pack_blocked_linear_bf16(w)
+    packed = ops.pack_interleaved_linear_bf16(w)
     bias = None if b is None else F.pad(b, (0, packed.shape[0] * 16 - n))
     got = ops.blocked_linear_bf16(x, packed, bias, n)
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
     want = x.double() @ w.double().T + (0 if b is None else b.double())
     assert ((got.double() - want).abs() <= want.abs() * 2.0**-8 + 1e-4).all(), (got.double() - want).abs().max()
+
+
+@needs_bf16
+@pytest.mark.parametrize("n", [16, 47, 80, 100, 3072])
+def test_blocked_linear_bf16_gives_a_row_the_same_bits_alone_and_in_a_batch(n):
+    """Every row is summed in the same order whatever the row count (one-row decode steps and
+    batched ones alike), so a sequence's logits do not depend on what it is batched with."""
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, 576, generator=g).bfloat16()
+    x = torch.randn(19, 576, generator=g).bfloat16()
+    packed = ops.pack_interleaved_linear_bf16(w)
+    batched = ops.blocked_linear_bf16(x, packed, None, n)
+    for i in (0, 7, 8, 18):
+        assert torch.equal(ops.blocked_linear_bf16(x[i : i + 1], packed, None, n), batched[i : i + 1]), i
 
 
 @needs_bf16
@@ -139,8 +154,11 @@ def test_bf16_packed_linear_sends_up_to_blocked_max_rows_bf16_to_the_kernel_and_
 @needs_bf16
 def test_blocked_linear_bf16_refuses_what_it_cannot_take():
     with pytest.raises(RuntimeError, match="K must be even"):
-        ops.pack_blocked_linear_bf16(torch.randn(20, 7).bfloat16())
-    packed = ops.pack_blocked_linear_bf16(torch.randn(20, 8).bfloat16())
+        ops.pack_interleaved_linear_bf16(torch.randn(20, 7).bfloat16())
+    with pytest.raises(RuntimeError, match="pack_interleaved_linear_bf16 weight"):  # the AMX kernel's layout
+        ops.blocked_linear_bf16(torch.randn(3, 8).bfloat16(), ops.pack_blocked_linear_bf16(torch.randn(20, 8).bfloat16()),
+                                None, 20)
+    packed = ops.pack_interleaved_linear_bf16(torch.randn(20, 8).bfloat16())
     with pytest.raises(RuntimeError, match="x must be"):
         ops.blocked_linear_bf16(torch.randn(3, 8), packed, None, 20)
     with pytest.raises(RuntimeError, match="N does not match"):
