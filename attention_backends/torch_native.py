@@ -45,7 +45,6 @@ never by batch x longest context:
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 

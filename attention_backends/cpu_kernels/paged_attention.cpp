@@ -244,9 +244,9 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   // Keys an item reads: [window_start(first row), last row's position].
   auto item_first = [&](int64_t item) { return c.window_start(c.pos[c.gs[item / c.Hkv]]); };
   auto item_last = [&](int64_t item) { return static_cast<int64_t>(c.pos[c.gs[item / c.Hkv + 1] - 1]); };
-  // The addresses of keys [b0, b0 + bl) of `item` (a page at a time) into keys/values; with
-  // `prefetch`, every line of them is prefetched at once (a thread's first block, which has no
-  // earlier block to hide behind).
+  // The addresses of keys [b0, b0 + bl) of `item` (a page at a time) into keys/values; their lines
+  // are prefetched by NextRows (all at once for a thread's first block, which has no earlier block
+  // to hide behind).
   //
   // Why prefetch at all: the pages are scattered, so the hardware's stream prefetcher restarts at
   // every page. Into L2 (locality 2), not L1: a block's rows (256 keys x K and V x 128 bytes in
@@ -259,7 +259,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   // machine and caches, a layer, before -> after: bf16 15 decodes of ~550 keys 379-401 -> 325-348
   // us, 32 of 150-280 397-416 -> 328-386, 8 of ~2,000 755-769 -> 548-569; float32 667-780 ->
   // 580-665, 604-662 -> 530-542, 1,298-1,405 -> 1,049-1,116; cache-resident unchanged).
-  auto look_up = [&](int64_t item, int64_t b0, int64_t bl, const scalar_t** keys, const scalar_t** values, bool prefetch) {
+  auto look_up = [&](int64_t item, int64_t b0, int64_t bl, const scalar_t** keys, const scalar_t** values) {
     const int64_t g = item / c.Hkv, h = item % c.Hkv;
     const int32_t* row_pages = c.bt + c.gr[g] * c.bt_stride;
     for (int64_t t = b0; t < b0 + bl;) {
@@ -272,13 +272,14 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       for (int64_t i = 0; i < n; ++i, ++t) {
         keys[t - b0] = kr + i * c.ks;
         values[t - b0] = vr + i * c.vs;
-        if (prefetch)
-          for (int64_t o = 0; o < row_bytes; o += 64) {
-            __builtin_prefetch(reinterpret_cast<const char*>(keys[t - b0]) + o, 0, 2);
-            __builtin_prefetch(reinterpret_cast<const char*>(values[t - b0]) + o, 0, 2);
-          }
       }
     }
+  };
+  // `item`'s first block into keys/values; returns its number of keys.
+  auto look_up_first = [&](int64_t item, const scalar_t** keys, const scalar_t** values) {
+    const int64_t f = item_first(item), n = std::min<int64_t>(kBlock, item_last(item) - f + 1);
+    look_up(item, f, n, keys, values);
+    return n;
   };
   at::parallel_for(0, c.G * c.Hkv, 1, [&](int64_t begin, int64_t end) {
     float* mine = scratch_base + at::get_thread_num() * per_thread;
@@ -289,10 +290,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
     float* l = m + max_rows;
     const scalar_t** buf = row_ptrs.data() + at::get_thread_num() * 4 * kBlock;
     int cur = 0;  // which half of buf holds the block about to be computed
-    {
-      const int64_t f = item_first(begin);
-      look_up(begin, f, std::min<int64_t>(kBlock, item_last(begin) - f + 1), buf, buf + kBlock, true);
-    }
+    NextRows<scalar_t>{buf, buf + kBlock, look_up_first(begin, buf, buf + kBlock), row_bytes}.fetch_from(0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / c.Hkv, h = item % c.Hkv;
       const int64_t r0 = c.gs[g], r1 = c.gs[g + 1];
@@ -323,11 +321,9 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         NextRows<scalar_t> next{next_keys, next_values, 0, row_bytes};
         if (b0 + kBlock <= last) {
           next.n = std::min<int64_t>(kBlock, last - b0 - kBlock + 1);
-          look_up(item, b0 + kBlock, next.n, next_keys, next_values, false);
+          look_up(item, b0 + kBlock, next.n, next_keys, next_values);
         } else if (item + 1 < end) {
-          const int64_t f = item_first(item + 1);
-          next.n = std::min<int64_t>(kBlock, item_last(item + 1) - f + 1);
-          look_up(item + 1, f, next.n, next_keys, next_values, false);
+          next.n = look_up_first(item + 1, next_keys, next_values);
         }
         // Each row's scores over the keys it may see (the others stay -inf).
         std::fill(scores, scores + nr * kBlock, neg_inf);
