@@ -11,7 +11,7 @@ from torch import nn
 
 from hybridkv.attention_backends.cpu_kernels.build import isa_flags
 from hybridkv.model_executor.cpu_kernels import amx_linear_ops, blocked_linear_ops, fused_ops
-from hybridkv.model_executor.huge_pages import on_huge_pages
+from hybridkv.model_executor.huge_pages import HugePageArena, on_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -247,6 +247,12 @@ def blocked_bf16_for(weight: torch.Tensor) -> ModuleType | None:
     return ops if ops is not None and ops.blocked_bf16_available() else None
 
 
+def _streamed(copy: torch.Tensor, arena: HugePageArena | None) -> torch.Tensor:
+    """The packed copy of a weight that decode steps stream, on huge pages: in the model's arena
+    (huge_pages.HugePageArena, small weights too), or alone when it is large enough."""
+    return arena.place(copy) if arena is not None else on_huge_pages(copy)
+
+
 class PackedLinearWeight:
     """A weight [N, K] prepacked for oneDNN; call it like F.linear(x, weight, bias). Inputs of
     up to `skinny_rows` rows (decode) go through cpu_kernels' skinny_linear when it is built here;
@@ -254,7 +260,7 @@ class PackedLinearWeight:
     blocked kernel where the CPU has AVX512-BF16 (one more copy of the weight: decode steps and
     short chunks are where it pays)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, arena: HugePageArena | None = None) -> None:
         self.out_features = weight.shape[0]
         self.weight, self.bias = weight.detach(), bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS_HINT)
@@ -262,7 +268,7 @@ class PackedLinearWeight:
         self.blocked = blocked_bf16_for(self.weight)
         self.blocked_rows = 0 if self.blocked is None else blocked_max_rows_bf16()
         if self.blocked is not None:
-            self.blocked_packed = on_huge_pages(self.blocked.pack_interleaved_linear_bf16(self.weight))
+            self.blocked_packed = _streamed(self.blocked.pack_interleaved_linear_bf16(self.weight), arena)
             padded = self.blocked_packed.shape[0] * 16  # column blocks x 16
             self.padded_bias = None if bias is None else F.pad(bias.detach().float(), (0, padded - self.out_features))
 
@@ -320,14 +326,15 @@ class BlockedLinearWeight:
     replaces PackedLinearWeight's oneDNN copy, so the weight memory stays the parameter plus one
     copy."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: ModuleType) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: ModuleType,
+                 arena: HugePageArena | None = None) -> None:
         self.ops, self.out_features = ops, weight.shape[0]
         self.weight, self.bias = weight.detach(), bias
         self.max_rows = blocked_max_rows()
         # On huge pages like the parameters (huge_pages.py): a decode step streams this copy.
         # Intel AMX VM, the demo model's projections x 30 layers: 1 row 15.7-16.2 -> 14.8 ms,
         # 16 rows 25.8-27.7 -> 24.9-25.0 ms.
-        self.packed = on_huge_pages(ops.pack_blocked_linear(self.weight))
+        self.packed = _streamed(ops.pack_blocked_linear(self.weight), arena)
         padded = self.packed.shape[0] * self.packed.shape[2]
         self.padded_bias = None if bias is None else F.pad(bias.detach().float(), (0, padded - self.out_features))
 
@@ -357,11 +364,12 @@ class AmxLinearWeight:
     sitting). It replaces oneDNN's packed copy (and the vdpbf16ps path's), so the weight memory
     stays the parameter plus one copy. Inputs of another dtype take F.linear on the parameter."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: tuple[ModuleType, ModuleType]) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: tuple[ModuleType, ModuleType],
+                 arena: HugePageArena | None = None) -> None:
         blocked, self.amx = ops
         self.out_features = weight.shape[0]
         self.weight, self.bias = weight.detach(), bias
-        self.packed = on_huge_pages(blocked.pack_blocked_linear_bf16(self.weight))  # decode streams this copy
+        self.packed = _streamed(blocked.pack_blocked_linear_bf16(self.weight), arena)
         padded = self.packed.shape[0] * self.packed.shape[2]
         self.padded_bias = None if bias is None else F.pad(bias.detach().float(), (0, padded - self.out_features))
 
@@ -386,16 +394,17 @@ class AmxLinearWeight:
         return out.view(*shape[:-1], self.out_features // 2)
 
 
-def fast_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
+def fast_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, arena: HugePageArena | None = None):
     """The fastest F.linear(x, weight, bias) this CPU has for `weight`: BlockedLinearWeight,
     AmxLinearWeight, PackedLinearWeight (oneDNN) or WidenedLinearWeight; None when plain F.linear
-    is it."""
+    is it. The copy a decode step streams goes into `arena` (a model's weights share one, in the
+    order forward reads them)."""
     if (ops := blocked_linear_for(weight)) is not None:
-        return BlockedLinearWeight(weight, bias, ops)
+        return BlockedLinearWeight(weight, bias, ops, arena)
     if (amx := amx_linear_for(weight)) is not None:
-        return AmxLinearWeight(weight, bias, amx)
+        return AmxLinearWeight(weight, bias, amx, arena)
     if packing_supported(weight):
-        return PackedLinearWeight(weight, bias)
+        return PackedLinearWeight(weight, bias, arena)
     if needs_widening(weight):
         return WidenedLinearWeight(weight, bias)
     return None
@@ -450,7 +459,7 @@ class WidenedLinearWeight:
         return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
 
 
-def pack_linear_weights(model: nn.Module) -> int:
+def pack_linear_weights(model: nn.Module, arena: HugePageArena | None = None) -> int:
     """Route every nn.Linear of `model` through a prepacked weight where `packing_supported`
     says so; the others keep plain F.linear. Returns how many were packed, and logs which path
     each weight dtype took (so a slow bfloat16 decode on an AVX2-only CPU is explained in the log).
@@ -463,11 +472,12 @@ def pack_linear_weights(model: nn.Module) -> int:
     packed_by_dtype: dict[torch.dtype, int] = {}
     plain_by_dtype: dict[torch.dtype, int] = {}
     widened_by_dtype: dict[torch.dtype, int] = {}
-    for module in model.modules():
+    arena = arena or HugePageArena()
+    for module in model.modules():  # registration order, which is forward order in every model here
         if not isinstance(module, nn.Linear):
             continue
         dtype = module.weight.dtype
-        linear = fast_linear(module.weight, module.bias)
+        linear = fast_linear(module.weight, module.bias, arena)
         if linear is not None:
             module.forward = linear  # instance attribute shadows nn.Linear.forward
         by_type = {BlockedLinearWeight: blocked_by_dtype, AmxLinearWeight: amx_by_dtype,

@@ -28,6 +28,7 @@ from hybridkv.model_executor.layers import (
     fast_linear,
     pack_linear_weights,
 )
+from hybridkv.model_executor.huge_pages import HugePageArena
 from hybridkv.model_executor.models.base import CausalLM, load_stacked_weights
 from hybridkv.model_executor.quantization import QuantizedLinear
 
@@ -177,12 +178,14 @@ class LlamaForCausalLM(CausalLM):
         return hidden @ weight.t()
 
     def pack_weights(self) -> None:
-        """Prepack every projection and the logits matrix for the CPU's fastest linear (layers.fast_linear)."""
-        pack_linear_weights(self)
+        """Prepack every projection and the logits matrix for the CPU's fastest linear
+        (layers.fast_linear), side by side in one arena in the order a step reads them."""
+        arena = HugePageArena()
+        pack_linear_weights(self, arena)
         if isinstance(self.lm_head, QuantizedLinear):
             return
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self._packed_logits = fast_linear(weight)
+        self._packed_logits = fast_linear(weight, arena=arena)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def rename(name: str) -> str | None:

@@ -1,6 +1,6 @@
 """huge_pages: large CPU tensors start on a 2 MiB boundary and are advised MADV_HUGEPAGE before
-first touch; small ones, views and the off switch stay plain; moving weights keeps their values
-and their ties."""
+first touch; small ones, views and the off switch stay plain; an arena lays tensors of any size
+side by side on advised huge pages; moving weights keeps their values and their ties."""
 import ctypes
 import ctypes.util
 import os
@@ -14,7 +14,7 @@ from torch import nn
 
 from hybridkv.model_executor import huge_pages
 from hybridkv.model_executor.huge_pages import (
-    HUGE_PAGE_BYTES, huge_empty, kv_pool_on, move_parameters_to_huge_pages, on_huge_pages,
+    ARENA_ALIGN, HUGE_PAGE_BYTES, HugePageArena, huge_empty, kv_pool_on, move_parameters_to_huge_pages, on_huge_pages,
 )
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -77,11 +77,75 @@ def test_move_parameters_keeps_values_and_ties():
     model[1].weight = model[0].weight  # tied, 4 MiB
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     moved = move_parameters_to_huge_pages(model)
-    assert moved == 4096 * 256 * 4, "the tied weight moves once; the 8x8 one is too small"
+    assert moved == (4096 * 256 + 8 * 8 + 8) * 4, "the tied weight moves once, the small ones too"
     assert model[1].weight is model[0].weight
     assert model[0].weight.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert model[2].weight.data_ptr() > model[0].weight.data_ptr(), "parameters are laid out in module order"
+    assert "hg" in vma_flags(model[2].bias.data_ptr()).get("VmFlags", "").split(), "a small parameter was not advised"
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n])
+
+
+@linux_thp
+def test_an_arena_lays_tensors_side_by_side_on_advised_huge_pages():
+    """Each placed tensor is a copy (same shape, dtype, values), starts on a cache line right
+    after the one before it, on memory advised MADV_HUGEPAGE; the first starts a 2 MiB page; one
+    that does not fit the rest of a chunk opens the next; one larger than a chunk gets a chunk of
+    its own size."""
+    arena = HugePageArena(chunk_bytes=HUGE_PAGE_BYTES)
+    sources = [torch.randn(7, 13), torch.randn(100).to(torch.bfloat16), torch.arange(5, dtype=torch.int32),
+               torch.randn(3, 64, 64)]
+    placed = [arena.place(t) for t in sources]
+    for src, got in zip(sources, placed):
+        assert got is not src and got.shape == src.shape and got.dtype == src.dtype and torch.equal(got, src)
+        assert got.is_contiguous() and got.data_ptr() % ARENA_ALIGN == 0
+        assert "hg" in vma_flags(got.data_ptr()).get("VmFlags", "").split(), "an arena tensor was not advised"
+    assert placed[0].data_ptr() % HUGE_PAGE_BYTES == 0, "the first chunk does not start a huge page"
+    for before, after in zip(placed, placed[1:]):
+        end = before.data_ptr() + before.numel() * before.element_size()
+        assert after.data_ptr() == -(-end // ARENA_ALIGN) * ARENA_ALIGN, "placed tensors are not side by side"
+    rest = HUGE_PAGE_BYTES - (placed[-1].data_ptr() + placed[-1].numel() * 4 - placed[0].data_ptr())
+    too_big_for_the_rest = arena.place(torch.ones(rest // 4 + 16))
+    assert too_big_for_the_rest.data_ptr() % HUGE_PAGE_BYTES == 0, "a tensor past the chunk's end must open a chunk"
+    larger_than_a_chunk = arena.place(torch.ones(HUGE_PAGE_BYTES // 2 + 1))
+    assert larger_than_a_chunk.data_ptr() % HUGE_PAGE_BYTES == 0 and bool(larger_than_a_chunk.eq(1).all())
+    assert arena.placed_bytes == sum(t.numel() * t.element_size() for t in sources + [too_big_for_the_rest,
+                                                                                      larger_than_a_chunk])
+
+
+def test_an_arena_leaves_views_and_the_off_switch_alone(monkeypatch):
+    arena = HugePageArena()
+    view = torch.randn(64)[8:]  # part of a larger storage: a copy would break the sharing
+    assert arena.place(view) is view
+    monkeypatch.setenv(huge_pages.ENV_SWITCH, "0")
+    small = torch.randn(16)
+    assert arena.place(small) is small
+
+
+@linux_thp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_models_streamed_weight_copies_share_one_arena_in_forward_order(dtype):
+    """pack_linear_weights puts the copy each linear's decode path streams into one arena, in
+    module order (forward order), small weights included."""
+    from hybridkv.model_executor.layers import pack_linear_weights
+
+    model = nn.Sequential(*(nn.Linear(64, 96) for _ in range(4))).to(dtype)
+    if pack_linear_weights(model) == 0:
+        pytest.skip(f"no prepacked linear for {dtype} weights on this CPU")
+    copies = [getattr(m.forward, "blocked_packed", None) for m in model]
+    copies = [c if c is not None else getattr(m.forward, "packed", None) for c, m in zip(copies, model)]
+    if not all(isinstance(c, torch.Tensor) and c.layout == torch.strided for c in copies):
+        pytest.skip(f"this CPU's {dtype} linear keeps only oneDNN's opaque copy")
+    starts = [c.data_ptr() for c in copies]
+    assert starts == sorted(starts), "the copies are not in forward order"
+    assert starts[-1] - starts[0] < HUGE_PAGE_BYTES, "the small copies do not share the arena's pages"
+    for c in copies:
+        assert "hg" in vma_flags(c.data_ptr()).get("VmFlags", "").split(), "a streamed copy was not advised"
+    x = torch.randn(3, 64).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for m in model:
+        torch.testing.assert_close(m(x).float(), torch.nn.functional.linear(x, m.weight, m.bias).float(),
+                                   rtol=tol, atol=tol)
 
 
 def test_a_refused_or_missing_madvise_still_gives_a_working_tensor(monkeypatch):
