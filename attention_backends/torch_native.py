@@ -79,6 +79,12 @@ class TorchNativeAttention:
         when not)."""
         return self._paged is None
 
+    @property
+    def paged_decode_in_use(self) -> bool:
+        """Whether decodes on CPU tensors go through the C++ paged kernel and K/V writer
+        (model_executor/fused_decode.py calls the same two kernels)."""
+        return self._paged is not None and self._write_kv is not None
+
     def forward(
         self,
         q: torch.Tensor,  # [T, H, D]

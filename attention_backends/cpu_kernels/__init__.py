@@ -42,10 +42,11 @@ AMX_TILES_HEADER = Path(__file__).with_name("amx_tiles.h")
 
 @functools.lru_cache(maxsize=1)
 def load_paged_attention_module() -> ModuleType | None:
-    """paged_attention.cpp compiled (`paged_attention`, `write_kv`), or None when it cannot be
-    built here; built once per process."""
+    """paged_attention.cpp compiled (`paged_attention`, `write_kv`, and `kernel_addresses` for
+    model_executor's fused decode), or None when it cannot be built here; built once per process."""
     return build_cpu_extension("hybridkv_paged_attention", Path(__file__).with_name("paged_attention.cpp"),
-                               ["paged_attention", "write_kv"], "CPU paged-attention kernel", headers=(_PAGED_GROUPS,))
+                               ["paged_attention", "write_kv", "kernel_addresses"], "CPU paged-attention kernel",
+                               headers=(_PAGED_GROUPS,))
 
 
 def load_paged_attention() -> Callable[..., torch.Tensor] | None:

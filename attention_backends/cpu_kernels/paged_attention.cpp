@@ -30,6 +30,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <unordered_map>
 #include <immintrin.h>
 #include <limits>
 #include <type_traits>
@@ -425,4 +427,11 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
       std::memcpy(kc + dst, kp + (t * k.stride(0) + h * k.stride(1)) * esz, row);
       std::memcpy(vc + dstv, vp + (t * v.stride(0) + h * v.stride(1)) * esz, row);
     }
+}
+
+// The kernels' addresses by name, for model_executor's decode_layers.cpp, which calls them from
+// C++ between the layers of a decode step (no Python in between).
+std::unordered_map<std::string, int64_t> kernel_addresses() {
+  return {{"paged_attention", reinterpret_cast<int64_t>(&paged_attention)},
+          {"write_kv", reinterpret_cast<int64_t>(&write_kv)}};
 }

@@ -11,6 +11,10 @@ or a failed build leave `fused_ops()` None (logged once) and every layer on its 
 `blocked_linear_ops()` (blocked_linear.cpp) is the float32 linear of any row count from a weight
 in column blocks; layers.BlockedLinearWeight uses it on AVX-512 CPUs instead of oneDNN's packed
 weight. Its own module: it is built with FMA contraction on, which fused_ops.cpp turns off.
+
+`decode_layers_ops()` (decode_layers.cpp) runs a Llama-family decode step through every layer in
+one call: it calls these modules' kernels (and the paged attention kernel) through the addresses
+their `kernel_addresses()` give, so each keeps the flags it was built with.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch
 
 from hybridkv.attention_backends.cpu_kernels import AMX_TILES_HEADER, build_cpu_extension
 
-_FUNCTIONS = ["skinny_linear", "rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "hc_sinkhorn_"]
+_FUNCTIONS = ["skinny_linear", "rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "hc_sinkhorn_", "kernel_addresses"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,8 +45,18 @@ def blocked_linear_ops() -> ModuleType | None:
     cannot be built here."""
     return build_cpu_extension("hybridkv_blocked_linear", Path(__file__).with_name("blocked_linear.cpp"),
                                ["pack_blocked_linear", "blocked_linear", "pack_blocked_linear_bf16",
-                                "pack_interleaved_linear_bf16", "blocked_linear_bf16", "blocked_bf16_available"],
+                                "pack_interleaved_linear_bf16", "blocked_linear_bf16", "blocked_bf16_available",
+                                "kernel_addresses"],
                                "CPU blocked linear")
+
+
+@functools.lru_cache(maxsize=1)
+def decode_layers_ops() -> ModuleType | None:
+    """decode_layers.cpp compiled (`decode_layers`): a Llama-family decode step through every
+    layer in one call, calling the other modules' kernels by address (fused_decode.py), or None
+    when it cannot be built here."""
+    return build_cpu_extension("hybridkv_decode_layers", Path(__file__).with_name("decode_layers.cpp"),
+                               ["decode_layers"], "CPU fused decode layers")
 
 
 @functools.lru_cache(maxsize=1)

@@ -19,6 +19,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <unordered_map>
 
 namespace {
 
@@ -330,4 +332,12 @@ torch::Tensor blocked_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::op
       });
 #endif
   return y;
+}
+
+// The linears' addresses by name, for decode_layers.cpp, which calls them from C++ between the
+// layers of a decode step (no Python in between). They are only called through a pointer of
+// exactly their type (decode_layers.cpp's Linear).
+std::unordered_map<std::string, int64_t> kernel_addresses() {
+  return {{"blocked_linear", reinterpret_cast<int64_t>(&blocked_linear)},
+          {"blocked_linear_bf16", reinterpret_cast<int64_t>(&blocked_linear_bf16)}};
 }

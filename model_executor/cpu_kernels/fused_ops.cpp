@@ -26,6 +26,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <unordered_map>
 #include <type_traits>
 #include <vector>
 
@@ -406,4 +408,12 @@ torch::Tensor hc_sinkhorn_(torch::Tensor comb, int64_t iters, double eps) {
     }
   });
   return comb;
+}
+
+// The fused ops' addresses by name, for decode_layers.cpp (see blocked_linear.cpp's).
+std::unordered_map<std::string, int64_t> kernel_addresses() {
+  return {{"rms_norm", reinterpret_cast<int64_t>(&rms_norm)},
+          {"add_rms_norm", reinterpret_cast<int64_t>(&add_rms_norm)},
+          {"rotary", reinterpret_cast<int64_t>(&rotary)},
+          {"silu_and_mul", reinterpret_cast<int64_t>(&silu_and_mul)}};
 }

@@ -28,6 +28,7 @@ from hybridkv.model_executor.layers import (
     fast_linear,
     pack_linear_weights,
 )
+from hybridkv.model_executor.fused_decode import FusedDecode
 from hybridkv.model_executor.huge_pages import HugePageArena
 from hybridkv.model_executor.models.base import CausalLM, load_stacked_weights
 from hybridkv.model_executor.quantization import QuantizedLinear
@@ -119,6 +120,7 @@ class LlamaForCausalLM(CausalLM):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._packed_logits = None  # layers.fast_linear of the logits matrix, set by pack_weights
+        self._fused_decode: FusedDecode | None = None  # decode-only steps in one C++ call, set by pack_weights
 
     # -- family differences -------------------------------------------------------------------
     @staticmethod
@@ -165,8 +167,11 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary_emb.lookup(positions, hidden.dtype)
-        for layer in self.layers:
-            hidden, residual = layer.forward(rope, hidden, residual, meta)
+        if self._fused_decode is not None and self._fused_decode.takes(hidden, meta):
+            hidden, residual = self._fused_decode(hidden, rope, meta)  # the loop below's bits
+        else:
+            for layer in self.layers:
+                hidden, residual = layer.forward(rope, hidden, residual, meta)
         return self.norm.add_forward(hidden, residual)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -182,6 +187,7 @@ class LlamaForCausalLM(CausalLM):
         (layers.fast_linear), side by side in one arena in the order a step reads them."""
         arena = HugePageArena()
         pack_linear_weights(self, arena)
+        self._fused_decode = FusedDecode.for_model(self)
         if isinstance(self.lm_head, QuantizedLinear):
             return
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -1,0 +1,118 @@
+// A decode step through a stack of Llama-style decoder layers in one call from Python.
+//
+// Each layer of a decode step is ~10 kernel calls (norms, the four linears, RoPE, the K/V write,
+// paged attention, SiLU x mul) and the Python between them: the model's forward methods, the
+// linears' wrappers, the views. At one row that Python cost ~110 us a layer next to ~210 us of
+// weight streaming (2-core Zen 4, the demo model in bf16: 3.3 of a token's 12.5 ms). Here the same
+// kernels run in the same order on the same tensors, called from C++ through their addresses
+// (each kernel module's kernel_addresses()), so the result is the Python path's, bit for bit:
+// the kernels are not recompiled here, and each keeps the compiler flags its module was built
+// with (fused_ops.cpp's -ffp-contract=off among them).
+//
+// The layer, as LlamaDecoderLayer.forward does it for a step of decodes only (fused_decode.py
+// decides when that holds):
+//   residual, x = norm(hidden) (first layer) or add_norm(hidden, residual)
+//   qkv = linear(x); q, k = rotary(qkv[:, :q+kv]) split by heads; v = qkv[:, q+kv:]
+//   write_kv(k, v -> the layer's caches at the step's slots)
+//   o = paged_attention(q over the caches through the layer's block table)
+//   residual, x = add_norm(linear(o), residual)
+//   hidden = linear(silu_and_mul(linear(x)))
+// and returns (hidden, residual) of the last layer, which the model's final norm reads.
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+// The kernels' exact types (blocked_linear.cpp, fused_ops.cpp, paged_attention.cpp).
+using Linear = torch::Tensor (*)(torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t);
+using RmsNorm = torch::Tensor (*)(torch::Tensor, torch::Tensor, double, bool);
+using AddRmsNorm = std::vector<torch::Tensor> (*)(torch::Tensor, torch::Tensor, torch::Tensor, double, bool);
+using Rotary = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor);
+using SiluAndMul = torch::Tensor (*)(torch::Tensor);
+using PagedAttention = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                                         torch::Tensor, torch::Tensor, int64_t, int64_t, double);
+using WriteKv = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor);
+
+template <typename Fn>
+Fn kernel(const std::unordered_map<std::string, int64_t>& addresses, const char* name) {
+  const auto it = addresses.find(name);
+  TORCH_CHECK(it != addresses.end() && it->second != 0, "decode_layers: no address for kernel ", name);
+  return reinterpret_cast<Fn>(it->second);
+}
+
+// A bias slot: an empty tensor stands for "no bias" (a list of tensors cannot hold None).
+c10::optional<torch::Tensor> bias_of(const torch::Tensor& t) {
+  return t.numel() > 0 ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+}
+
+constexpr int64_t kWeights = 10;  // per layer, in this order:
+enum { kInNorm, kPostNorm, kQkv, kQkvBias, kO, kOBias, kGateUp, kGateUpBias, kDown, kDownBias };
+
+}  // namespace
+
+// hidden [T, hidden] (the embeddings) through every layer; returns {hidden, residual} of the last.
+//   kernels:      name -> address: `linear` (the four projections' kernel) and rms_norm,
+//                 add_rms_norm, rotary, silu_and_mul, paged_attention, write_kv
+//   weights:      kWeights per layer (the enum above; packed linears, float32 padded biases or
+//                 empty tensors, norm weights)
+//   out_features: 4 per layer (qkv, o, gate_up, down)
+//   caches:       2 per layer (k, v: [Hkv, slots, D]); tables: 2 per layer (block table int32,
+//                 slot mapping int64: the layer's block space); windows: 1 per layer (-1: none)
+//   group_start, group_row, positions: the step's decode groups (AttentionMetadata.decode_groups)
+//   cos, sin [T, 1, D] in hidden's dtype
+std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::unordered_map<std::string, int64_t> kernels,
+                                         std::vector<torch::Tensor> weights, std::vector<int64_t> out_features,
+                                         std::vector<torch::Tensor> caches, std::vector<torch::Tensor> tables,
+                                         std::vector<int64_t> windows, torch::Tensor group_start,
+                                         torch::Tensor group_row, torch::Tensor positions, torch::Tensor cos,
+                                         torch::Tensor sin, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                         int64_t page_size, double scale, double eps) {
+  const auto linear = kernel<Linear>(kernels, "linear");
+  const auto rms_norm = kernel<RmsNorm>(kernels, "rms_norm");
+  const auto add_rms_norm = kernel<AddRmsNorm>(kernels, "add_rms_norm");
+  const auto rotary = kernel<Rotary>(kernels, "rotary");
+  const auto silu_and_mul = kernel<SiluAndMul>(kernels, "silu_and_mul");
+  const auto paged_attention = kernel<PagedAttention>(kernels, "paged_attention");
+  const auto write_kv = kernel<WriteKv>(kernels, "write_kv");
+
+  const int64_t layers = static_cast<int64_t>(windows.size());
+  TORCH_CHECK(hidden.dim() == 2, "decode_layers: hidden must be [T, hidden]");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeights * layers &&
+                  static_cast<int64_t>(out_features.size()) == 4 * layers &&
+                  static_cast<int64_t>(caches.size()) == 2 * layers &&
+                  static_cast<int64_t>(tables.size()) == 2 * layers,
+              "decode_layers: per-layer lists of ", layers, " layers do not match");
+  const int64_t T = hidden.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  torch::Tensor residual;
+  for (int64_t l = 0; l < layers; ++l) {
+    const torch::Tensor* w = weights.data() + kWeights * l;
+    const int64_t* n = out_features.data() + 4 * l;
+    const torch::Tensor &k_cache = caches[2 * l], &v_cache = caches[2 * l + 1];
+    torch::Tensor x;
+    if (l == 0) {
+      residual = hidden;
+      x = rms_norm(hidden, w[kInNorm], eps, false);
+    } else {
+      auto sum_norm = add_rms_norm(hidden, residual, w[kInNorm], eps, false);
+      residual = sum_norm[0];
+      x = sum_norm[1];
+    }
+    const auto qkv = linear(x, w[kQkv], bias_of(w[kQkvBias]), n[0]);
+    const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads, head_dim});
+    const auto qk = rotary(qkv.narrow(1, 0, q_size + kv_size).view({T, heads + kv_heads, head_dim}), cos, sin);
+    const auto q = qk.narrow(1, 0, heads), k = qk.narrow(1, heads, kv_heads);
+    write_kv(k_cache, v_cache, tables[2 * l + 1], k, v);
+    const auto o = paged_attention(q, k_cache, v_cache, tables[2 * l], group_start, group_row, positions, page_size,
+                                   windows[l], scale);
+    auto sum_norm = add_rms_norm(linear(o.reshape({T, q_size}), w[kO], bias_of(w[kOBias]), n[1]), residual,
+                                 w[kPostNorm], eps, false);
+    residual = sum_norm[0];
+    const auto gate_up = linear(sum_norm[1], w[kGateUp], bias_of(w[kGateUpBias]), n[2]);
+    hidden = linear(silu_and_mul(gate_up), w[kDown], bias_of(w[kDownBias]), n[3]);
+  }
+  return {hidden, residual};
+}

@@ -1,0 +1,159 @@
+"""A Llama-family model's decoder layers for a step of decodes only, in one C++ call.
+
+At decode batch sizes a layer's kernels are short and the Python between them is not: at one row
+the demo model spent ~110 us a layer in the forward methods, the linears' wrappers and the views,
+next to ~210 us of weight streaming (2-core Zen 4, bf16: 3.3 of a token's 12.5 ms). `FusedDecode`
+hands the whole stack to cpu_kernels/decode_layers.cpp, which calls the same kernels in the same
+order on the same tensors, so a step's outputs are bit-identical to the layer-by-layer path (the
+tests hold it to that), and the layers' Python runs once per step instead of once per layer.
+
+It takes a step only where the layer-by-layer path would run exactly those kernels:
+- CPU kernels built (fused ops, blocked linear, paged attention) and HYBRIDKV_FUSED_DECODE not 0;
+- every layer a Llama decoder layer without q/k norms, SiLU MLP, plain RMSNorm of one eps;
+- every projection on the blocked linear (bf16: PackedLinearWeight's vdpbf16ps path on CPUs with
+  AVX512-BF16; float32: BlockedLinearWeight), and at most as many rows as those take;
+- attention on TorchNativeAttention with its paged decode kernel and K/V writer;
+- a step of decodes only, with no host-tier load-backs to wait for.
+Anything else (prefill chunks, Qwen3, the AMX linear, Gemma 3, DeepSeek-V4) runs layer by layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv.attention_backends.cpu_kernels import load_paged_attention_module
+from hybridkv.attention_backends.cpu_kernels.build import switch_on
+from hybridkv.attention_backends.metadata import AttentionMetadata
+from hybridkv.attention_backends.torch_native import TorchNativeAttention
+from hybridkv.model_executor.cpu_kernels import blocked_linear_ops, decode_layers_ops, fused_ops
+from hybridkv.model_executor.layers import BlockedLinearWeight, PackedLinearWeight
+
+ENV_SWITCH = "HYBRIDKV_FUSED_DECODE"
+_NO_BIAS = torch.empty(0)  # decode_layers.cpp's "no bias" (a list of tensors cannot hold None)
+
+
+@dataclass
+class _Bound:
+    """What the runner binds after packing (caches, backends), gathered at first use."""
+    k0: torch.Tensor  # layer 0's K cache: rebinding the caches makes a new one
+    caches: list[torch.Tensor]
+
+
+class FusedDecode:
+    """Call it like the layer loop: (hidden, residual) = fused(hidden, rope, meta), when
+    `takes(hidden, meta)`. Build it with `for_model` after the weights are packed."""
+
+    def __init__(self, model, dtype: torch.dtype, linear_kernel: str, max_rows: int | None) -> None:
+        attn0 = model.layers[0].self_attn
+        self.layers = list(model.layers)
+        self.dtype, self.max_rows = dtype, max_rows
+        self.heads, self.kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        self.scale, self.eps = float(attn0.scale), float(model.layers[0].input_layernorm.eps)
+        self.op = decode_layers_ops().decode_layers
+        self.kernels = dict(fused_ops().kernel_addresses())
+        self.kernels.update(load_paged_attention_module().kernel_addresses())
+        self.kernels["linear"] = blocked_linear_ops().kernel_addresses()[linear_kernel]
+        self.weights: list[torch.Tensor] = []
+        self.out_features: list[int] = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.weights += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+            for proj in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
+                linear = proj.forward
+                packed = linear.blocked_packed if isinstance(linear, PackedLinearWeight) else linear.packed
+                bias = linear.padded_bias
+                self.weights += [packed, _NO_BIAS if bias is None else bias]
+                self.out_features.append(linear.out_features)
+        self.spaces = [layer.self_attn.space for layer in self.layers]
+        self._bound: _Bound | None = None
+
+    @classmethod
+    def for_model(cls, model) -> FusedDecode | None:
+        """The fused decode for `model` (a LlamaForCausalLM with packed weights), or None where
+        some layer would not run exactly the kernels decode_layers.cpp calls."""
+        if not switch_on(ENV_SWITCH) or not hasattr(model, "layers") or len(model.layers) == 0:
+            return None
+        if None in (fused_ops(), blocked_linear_ops(), decode_layers_ops(), load_paged_attention_module()):
+            return None
+        first = model.layers[0]
+        dtype = first.input_layernorm.weight.dtype
+        if dtype not in (torch.bfloat16, torch.float32):
+            return None
+        kinds, limits = set(), []
+        shape = (first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim,
+                 first.self_attn.scale, first.input_layernorm.eps)
+        for layer in model.layers:
+            a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+            if a is None or m is None or None in norms or getattr(a, "q_norm", True) is not None:
+                return None
+            if not getattr(m, "is_silu", False) or any(n.unit_offset or n.eps != shape[4] or n.weight.dtype != dtype
+                                                       for n in norms):
+                return None
+            if (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, shape[4]) != shape:
+                return None
+            for proj in (getattr(a, "qkv_proj", None), getattr(a, "o_proj", None), getattr(m, "gate_up_proj", None),
+                         getattr(m, "down_proj", None)):
+                linear = getattr(proj, "forward", None)
+                if (isinstance(linear, PackedLinearWeight) and dtype == torch.bfloat16 and linear.blocked is not None
+                        and linear.blocked_rows > 0):
+                    kinds.add("blocked_linear_bf16")
+                    limits.append(linear.blocked_rows)
+                elif isinstance(linear, BlockedLinearWeight) and dtype == torch.float32:
+                    kinds.add("blocked_linear")
+                    if linear.max_rows is not None:
+                        limits.append(linear.max_rows)
+                else:
+                    return None
+        if len(kinds) != 1:
+            return None
+        return cls(model, dtype, kinds.pop(), min(limits) if limits else None)
+
+    def takes(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step is one the fused call runs exactly as the layers would."""
+        rows = hidden.shape[0]
+        if (meta.num_decode_tokens != rows or meta.kv_loads is not None or hidden.dtype != self.dtype
+                or not hidden.is_cpu or (self.max_rows is not None and rows > self.max_rows)):
+            return False
+        for sm in meta.spaces.values():
+            if sm.slot_mapping.dtype != torch.int64 or not sm.slot_mapping.is_contiguous():
+                return False
+        return self._bind() is not None
+
+    def _bind(self) -> _Bound | None:
+        """The layers' caches, once the runner has bound them to TorchNativeAttention with its
+        paged decode kernel; None (layer by layer) otherwise."""
+        attn0 = self.layers[0].self_attn
+        if self._bound is not None and attn0.k_cache is self._bound.k0:
+            return self._bound
+        caches = []
+        for layer in self.layers:
+            a = layer.self_attn
+            if (not isinstance(a.backend, TorchNativeAttention) or not a.backend.paged_decode_in_use
+                    or a.k_cache is None or a.k_cache.dtype != self.dtype or a.k_cache.stride(-1) != 1
+                    or a.v_cache.stride(-1) != 1):
+                self._bound = None
+                return None
+            caches += [a.k_cache, a.v_cache]
+        self._bound = _Bound(attn0.k_cache, caches)
+        return self._bound
+
+    def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        bound = self._bind()
+        tables, windows, per_space = [], [], {}
+        for space in self.spaces:
+            if space not in per_space:
+                sm = meta.spaces[space]
+                table = sm.block_table if sm.block_table.dtype == torch.int32 else sm.block_table.to(torch.int32)
+                per_space[space] = (table, sm.slot_mapping, -1 if sm.window is None else sm.window)
+            table, slots, window = per_space[space]
+            tables += [table, slots]
+            windows.append(window)
+        starts, rows, positions = meta.decode_groups
+        cos, sin = rope
+        hidden, residual = self.op(hidden, self.kernels, self.weights, self.out_features, bound.caches, tables,
+                                   windows, starts, rows, positions, cos, sin, self.heads, self.kv_heads,
+                                   self.head_dim, meta.page_size, self.scale, self.eps)
+        return hidden, residual

@@ -1,0 +1,69 @@
+"""fused_decode: a step of decodes runs every Llama-family layer in one C++ call and gives the
+layer-by-layer path's logits bit for bit; steps and models it cannot run exactly as the layers
+would (prefill chunks, q/k norms, the off switch) go layer by layer."""
+import pytest
+import torch
+
+from hybridkv.entrypoints import LLM, SamplingParams
+from hybridkv.model_executor import fused_decode
+from hybridkv.model_executor.fused_decode import FusedDecode
+
+
+def _logits(llm: LLM, prompts: list[list[int]], max_tokens: int, fused: bool) -> list[torch.Tensor]:
+    """Every logits row per prompt (the prompt's rows, then one per decode step), with the
+    model's fused decode on or off."""
+    model, runner = llm.engine.runner.model, llm.engine.runner
+    saved = model._fused_decode
+    model._fused_decode = saved if fused else None
+    runner.captured_logits = {}
+    try:
+        llm.reset_prefix_cache()
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+        return [torch.cat(c) for _, c in sorted(runner.captured_logits.items())]
+    finally:
+        runner.captured_logits = None
+        model._fused_decode = saved
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])  # plain; q/k/v biases; every layer windowed (24)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_steps_give_the_layer_by_layer_logits_bit_for_bit(tiny_ckpt, monkeypatch, arch, dtype):
+    llm = LLM(tiny_ckpt(arch), dtype=dtype, max_model_len=256)
+    if llm.engine.runner.model._fused_decode is None:
+        pytest.skip(f"no fused decode for {dtype} on this CPU (its linears are not the blocked kernels)")
+    calls = []
+    original = FusedDecode.__call__
+    monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+    g = torch.Generator().manual_seed(3)
+    vocab = llm.engine.runner.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (9, 40, 70)]
+    fused = _logits(llm, prompts, 12, fused=True)
+    assert len(calls) == 11, f"one fused call per decode-only step (11), got {len(calls)}: prefill steps must not take it"
+    layers = _logits(llm, prompts, 12, fused=False)
+    assert len(calls) == 11
+    for prompt, f, ref in zip(prompts, fused, layers):
+        assert f.shape == ref.shape == (len(prompt) + 11, vocab)
+        assert torch.equal(f, ref), "the fused decode changed the logits"
+
+
+def test_models_and_switches_the_fused_decode_does_not_take(tiny_ckpt, monkeypatch):
+    """q/k norms (Qwen3) are not in decode_layers.cpp: layer by layer. HYBRIDKV_FUSED_DECODE=0
+    turns it off for a model it would take."""
+    assert LLM(tiny_ckpt("qwen3"), dtype="float32", max_model_len=128).engine.runner.model._fused_decode is None
+    llm = LLM(tiny_ckpt("llama"), dtype="float32", max_model_len=128)
+    if llm.engine.runner.model._fused_decode is None:
+        pytest.skip("no fused decode for float32 on this CPU")
+    monkeypatch.setenv(fused_decode.ENV_SWITCH, "0")
+    assert FusedDecode.for_model(llm.engine.runner.model) is None
+
+
+def test_the_fused_kernel_refuses_lists_that_do_not_match_its_layers(tiny_ckpt):
+    llm = LLM(tiny_ckpt("llama"), dtype="float32", max_model_len=128)
+    fused = llm.engine.runner.model._fused_decode
+    if fused is None:
+        pytest.skip("no fused decode for float32 on this CPU")
+    one = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="per-layer lists"):
+        fused.op(torch.zeros(1, 64), fused.kernels, fused.weights[:-1], fused.out_features, [], [], [-1, -1],
+                 one, one, one, torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), 4, 2, 16, 16, 0.25, 1e-6)
