@@ -26,12 +26,24 @@ def _logits(llm: LLM, prompts: list[list[int]], max_tokens: int, fused: bool) ->
         model._fused_decode = saved
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])  # plain; q/k/v biases; every layer windowed (24)
+CASES = {
+    "llama": ("llama", {}),
+    "qwen2 (q/k/v biases)": ("qwen2", {}),
+    "mistral (every layer windowed)": ("mistral", {}),
+    "qwen2, a full and a windowed layer (two block spaces)": (
+        "qwen2", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_decode_steps_give_the_layer_by_layer_logits_bit_for_bit(tiny_ckpt, monkeypatch, arch, dtype):
-    llm = LLM(tiny_ckpt(arch), dtype=dtype, max_model_len=256)
+def test_fused_decode_steps_give_the_layer_by_layer_logits_bit_for_bit(tiny_ckpt, monkeypatch, case, dtype):
+    arch, overrides = CASES[case]
+    llm = LLM(tiny_ckpt(arch, **overrides), dtype=dtype, max_model_len=256)
     if llm.engine.runner.model._fused_decode is None:
         pytest.skip(f"no fused decode for {dtype} on this CPU (its linears are not the blocked kernels)")
+    if "two block spaces" in case:
+        assert len({layer.self_attn.space for layer in llm.engine.runner.model.layers}) == 2
     calls = []
     original = FusedDecode.__call__
     monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
