@@ -76,22 +76,18 @@ class FusedDecode:
             return None
         if None in (fused_ops(), blocked_linear_ops(), decode_layers_ops(), load_paged_attention_module()):
             return None
-        first = model.layers[0]
-        dtype = first.input_layernorm.weight.dtype
-        if dtype not in (torch.bfloat16, torch.float32):
-            return None
-        kinds, limits = set(), []
-        shape = (first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim,
-                 first.self_attn.scale, first.input_layernorm.eps)
+        kinds, limits, dtype, shape = set(), [], None, None
         for layer in model.layers:
             a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
             if a is None or m is None or None in norms or getattr(a, "q_norm", True) is not None:
                 return None
-            if not getattr(m, "is_silu", False) or any(n.unit_offset or n.eps != shape[4] or n.weight.dtype != dtype
-                                                       for n in norms):
-                return None
-            if (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, shape[4]) != shape:
+            if shape is None:  # what every layer must share with the first
+                dtype = norms[0].weight.dtype
+                shape = (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, norms[0].eps)
+            if (dtype not in (torch.bfloat16, torch.float32) or not getattr(m, "is_silu", False)
+                    or any(n.unit_offset or n.eps != shape[4] or n.weight.dtype != dtype for n in norms)
+                    or (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, shape[4]) != shape):
                 return None
             for proj in (getattr(a, "qkv_proj", None), getattr(a, "o_proj", None), getattr(m, "gate_up_proj", None),
                          getattr(m, "down_proj", None)):
