@@ -190,8 +190,11 @@ class LlamaForCausalLM(CausalLM):
         self._fused_decode = FusedDecode.for_model(self)
         if isinstance(self.lm_head, QuantizedLinear):
             return
+        # An untied head is an nn.Linear, which pack_linear_weights has packed already: that copy
+        # serves the logits too (a second one would double the head's memory, vocab x hidden).
+        packed_head = None if self.lm_head is None else self.lm_head.__dict__.get("forward")
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self._packed_logits = fast_linear(weight, arena=arena)
+        self._packed_logits = packed_head if packed_head is not None else fast_linear(weight, arena=arena)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def rename(name: str) -> str | None:

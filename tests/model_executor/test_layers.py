@@ -163,3 +163,17 @@ def test_float32_weights_take_the_blocked_linear_on_avx512_and_it_is_logged(capl
     assert not _packed_linears(model), "no oneDNN copy beside the blocks"
     torch.testing.assert_close(model(x), want)
     assert "2 torch.float32 layer(s) in column blocks" in caplog.text
+
+
+def test_an_untied_head_is_packed_once(tiny_ckpt):
+    """The logits of an untied head (an nn.Linear, which pack_linear_weights packs) go through
+    that same packed copy, not a second one of vocab x hidden."""
+    llm = LLM(tiny_ckpt("llama"), dtype="float32", max_model_len=128)
+    model = llm.engine.runner.model
+    assert model.lm_head is not None, "the tiny llama checkpoint is untied"
+    packed = model.lm_head.__dict__.get("forward")
+    if packed is None:
+        pytest.skip("no packed linear for float32 on this CPU")
+    assert model._packed_logits is packed
+    hidden = torch.randn(3, model.config.hidden_size)
+    torch.testing.assert_close(model.compute_logits(hidden), hidden @ model.lm_head.weight.t(), rtol=1e-5, atol=1e-4)
