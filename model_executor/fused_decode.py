@@ -27,7 +27,7 @@ from hybridkv.attention_backends.cpu_kernels.build import switch_on
 from hybridkv.attention_backends.metadata import AttentionMetadata
 from hybridkv.attention_backends.torch_native import TorchNativeAttention
 from hybridkv.model_executor.cpu_kernels import blocked_linear_ops, decode_layers_ops, fused_ops
-from hybridkv.model_executor.layers import BlockedLinearWeight, PackedLinearWeight
+from hybridkv.model_executor.layers import BlockedLinearWeight, PackedLinearWeight, packed_forward
 
 ENV_SWITCH = "HYBRIDKV_FUSED_DECODE"
 _NO_BIAS = torch.empty(0)  # decode_layers.cpp's "no bias" (a list of tensors cannot hold None)
@@ -60,12 +60,15 @@ class FusedDecode:
             a, m = layer.self_attn, layer.mlp
             self.weights += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
             for proj in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
-                linear = proj.forward
+                linear = packed_forward(proj)
                 packed = linear.blocked_packed if isinstance(linear, PackedLinearWeight) else linear.packed
                 bias = linear.padded_bias
                 self.weights += [packed, _NO_BIAS if bias is None else bias]
                 self.out_features.append(linear.out_features)
-        self.spaces = [layer.self_attn.space for layer in self.layers]
+        # Block spaces in first-use order, and each layer's index into them: a step hands the
+        # kernel one block table, slot mapping and window per space, not per layer.
+        self.spaces = list(dict.fromkeys(layer.self_attn.space for layer in self.layers))
+        self.layer_space = [self.spaces.index(layer.self_attn.space) for layer in self.layers]
         self._bound: _Bound | None = None
 
     @classmethod
@@ -91,7 +94,7 @@ class FusedDecode:
                 return None
             for proj in (getattr(a, "qkv_proj", None), getattr(a, "o_proj", None), getattr(m, "gate_up_proj", None),
                          getattr(m, "down_proj", None)):
-                linear = getattr(proj, "forward", None)
+                linear = None if proj is None else packed_forward(proj)
                 if (isinstance(linear, PackedLinearWeight) and dtype == torch.bfloat16 and linear.blocked is not None
                         and linear.blocked_rows > 0):
                     kinds.add("blocked_linear_bf16")
@@ -137,19 +140,16 @@ class FusedDecode:
 
     def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        bound = self._bind()
-        tables, windows, per_space = [], [], {}
+        """The layers' (hidden, residual) for a step `takes` accepted (it bound the caches)."""
+        tables, windows = [], []
         for space in self.spaces:
-            if space not in per_space:
-                sm = meta.spaces[space]
-                table = sm.block_table if sm.block_table.dtype == torch.int32 else sm.block_table.to(torch.int32)
-                per_space[space] = (table, sm.slot_mapping, -1 if sm.window is None else sm.window)
-            table, slots, window = per_space[space]
-            tables += [table, slots]
-            windows.append(window)
+            sm = meta.spaces[space]
+            tables += [sm.block_table if sm.block_table.dtype == torch.int32 else sm.block_table.to(torch.int32),
+                       sm.slot_mapping]
+            windows.append(-1 if sm.window is None else sm.window)
         starts, rows, positions = meta.decode_groups
         cos, sin = rope
-        hidden, residual = self.op(hidden, self.kernels, self.weights, self.out_features, bound.caches, tables,
-                                   windows, starts, rows, positions, cos, sin, self.heads, self.kv_heads,
-                                   self.head_dim, meta.page_size, self.scale, self.eps)
+        hidden, residual = self.op(hidden, self.kernels, self.weights, self.out_features, self._bound.caches, tables,
+                                   windows, self.layer_space, starts, rows, positions, cos, sin, self.heads,
+                                   self.kv_heads, self.head_dim, meta.page_size, self.scale, self.eps)
         return hidden, residual

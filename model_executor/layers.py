@@ -459,6 +459,12 @@ class WidenedLinearWeight:
         return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
 
 
+def packed_forward(linear: nn.Module):
+    """The prepacked weight object pack_linear_weights put in front of nn.Linear `linear` (its
+    instance-level forward), or None where it kept plain F.linear."""
+    return linear.__dict__.get("forward")
+
+
 def pack_linear_weights(model: nn.Module, arena: HugePageArena | None = None) -> int:
     """Route every nn.Linear of `model` through a prepacked weight where `packing_supported`
     says so; the others keep plain F.linear. Returns how many were packed, and logs which path

@@ -60,14 +60,16 @@ enum { kInNorm, kPostNorm, kQkv, kQkvBias, kO, kOBias, kGateUp, kGateUpBias, kDo
 //   weights:      kWeights per layer (the enum above; packed linears, float32 padded biases or
 //                 empty tensors, norm weights)
 //   out_features: 4 per layer (qkv, o, gate_up, down)
-//   caches:       2 per layer (k, v: [Hkv, slots, D]); tables: 2 per layer (block table int32,
-//                 slot mapping int64: the layer's block space); windows: 1 per layer (-1: none)
+//   caches:       2 per layer (k, v: [Hkv, slots, D])
+//   tables:       2 per block space (block table int32, slot mapping int64); windows: 1 per block
+//                 space (-1: none); layer_space: each layer's block space (an index into those)
 //   group_start, group_row, positions: the step's decode groups (AttentionMetadata.decode_groups)
 //   cos, sin [T, 1, D] in hidden's dtype
 std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::unordered_map<std::string, int64_t> kernels,
                                          std::vector<torch::Tensor> weights, std::vector<int64_t> out_features,
                                          std::vector<torch::Tensor> caches, std::vector<torch::Tensor> tables,
-                                         std::vector<int64_t> windows, torch::Tensor group_start,
+                                         std::vector<int64_t> windows, std::vector<int64_t> layer_space,
+                                         torch::Tensor group_start,
                                          torch::Tensor group_row, torch::Tensor positions, torch::Tensor cos,
                                          torch::Tensor sin, int64_t heads, int64_t kv_heads, int64_t head_dim,
                                          int64_t page_size, double scale, double eps) {
@@ -79,19 +81,24 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::unordered_ma
   const auto paged_attention = kernel<PagedAttention>(kernels, "paged_attention");
   const auto write_kv = kernel<WriteKv>(kernels, "write_kv");
 
-  const int64_t layers = static_cast<int64_t>(windows.size());
+  const int64_t layers = static_cast<int64_t>(layer_space.size());
+  const int64_t spaces = static_cast<int64_t>(windows.size());
   TORCH_CHECK(hidden.dim() == 2, "decode_layers: hidden must be [T, hidden]");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeights * layers &&
                   static_cast<int64_t>(out_features.size()) == 4 * layers &&
-                  static_cast<int64_t>(caches.size()) == 2 * layers &&
-                  static_cast<int64_t>(tables.size()) == 2 * layers,
+                  static_cast<int64_t>(caches.size()) == 2 * layers,
               "decode_layers: per-layer lists of ", layers, " layers do not match");
+  TORCH_CHECK(static_cast<int64_t>(tables.size()) == 2 * spaces, "decode_layers: per-space lists of ", spaces,
+              " spaces do not match");
+  for (const int64_t sp : layer_space)
+    TORCH_CHECK(sp >= 0 && sp < spaces, "decode_layers: a layer's block space ", sp, " is not one of ", spaces);
   const int64_t T = hidden.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   torch::Tensor residual;
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = weights.data() + kWeights * l;
     const int64_t* n = out_features.data() + 4 * l;
     const torch::Tensor &k_cache = caches[2 * l], &v_cache = caches[2 * l + 1];
+    const int64_t sp = layer_space[l];
     torch::Tensor x;
     if (l == 0) {
       residual = hidden;
@@ -105,9 +112,9 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::unordered_ma
     const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads, head_dim});
     const auto qk = rotary(qkv.narrow(1, 0, q_size + kv_size).view({T, heads + kv_heads, head_dim}), cos, sin);
     const auto q = qk.narrow(1, 0, heads), k = qk.narrow(1, heads, kv_heads);
-    write_kv(k_cache, v_cache, tables[2 * l + 1], k, v);
-    const auto o = paged_attention(q, k_cache, v_cache, tables[2 * l], group_start, group_row, positions, page_size,
-                                   windows[l], scale);
+    write_kv(k_cache, v_cache, tables[2 * sp + 1], k, v);
+    const auto o = paged_attention(q, k_cache, v_cache, tables[2 * sp], group_start, group_row, positions, page_size,
+                                   windows[sp], scale);
     auto sum_norm = add_rms_norm(linear(o.reshape({T, q_size}), w[kO], bias_of(w[kOBias]), n[1]), residual,
                                  w[kPostNorm], eps, false);
     residual = sum_norm[0];

@@ -27,6 +27,7 @@ from hybridkv.model_executor.layers import (
     apply_rotary,
     fast_linear,
     pack_linear_weights,
+    packed_forward,
 )
 from hybridkv.model_executor.fused_decode import FusedDecode
 from hybridkv.model_executor.huge_pages import HugePageArena
@@ -192,7 +193,7 @@ class LlamaForCausalLM(CausalLM):
             return
         # An untied head is an nn.Linear, which pack_linear_weights has packed already: that copy
         # serves the logits too (a second one would double the head's memory, vocab x hidden).
-        packed_head = None if self.lm_head is None else self.lm_head.__dict__.get("forward")
+        packed_head = None if self.lm_head is None else packed_forward(self.lm_head)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self._packed_logits = packed_head if packed_head is not None else fast_linear(weight, arena=arena)
 

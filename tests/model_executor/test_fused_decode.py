@@ -76,6 +76,33 @@ def test_the_fused_kernel_refuses_lists_that_do_not_match_its_layers(tiny_ckpt):
     if fused is None:
         pytest.skip("no fused decode for float32 on this CPU")
     one = torch.zeros(1, dtype=torch.int32)
+    rope = (torch.zeros(1, 1, 16), torch.zeros(1, 1, 16))
+
+    def call(weights, tables, windows, layer_space):
+        fused.op(torch.zeros(1, 64), fused.kernels, weights, fused.out_features, [one] * 4, tables, windows,
+                 layer_space, one, one, one, *rope, 4, 2, 16, 16, 0.25, 1e-6)
+
     with pytest.raises(RuntimeError, match="per-layer lists"):
-        fused.op(torch.zeros(1, 64), fused.kernels, fused.weights[:-1], fused.out_features, [], [], [-1, -1],
-                 one, one, one, torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), 4, 2, 16, 16, 0.25, 1e-6)
+        call(fused.weights[:-1], [one, one], [-1], [0, 0])
+    with pytest.raises(RuntimeError, match="per-space lists"):
+        call(fused.weights, [one], [-1], [0, 0])
+    with pytest.raises(RuntimeError, match="block space 1 is not one of 1"):
+        call(fused.weights, [one, one], [-1], [0, 1])
+
+
+def test_a_step_with_host_tier_load_backs_goes_layer_by_layer(tiny_ckpt, monkeypatch):
+    """Host-tier load-backs (meta.kv_loads) are waited for inside each layer's attention: a step
+    that carries them is not one the fused call may take, even when it is all decodes."""
+    llm = LLM(tiny_ckpt("llama"), dtype="float32", max_model_len=128)
+    fused = llm.engine.runner.model._fused_decode
+    if fused is None:
+        pytest.skip("no fused decode for float32 on this CPU")
+    seen = []
+    original = FusedDecode.takes
+    monkeypatch.setattr(FusedDecode, "takes", lambda self, h, meta: seen.append((h, meta)) or original(self, h, meta))
+    llm.generate([{"prompt_token_ids": [3, 17, 42, 99, 7]}],
+                 SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    hidden, meta = seen[-1]  # a decode step's
+    assert fused.takes(hidden, meta), "a plain decode step must be taken"
+    meta.kv_loads = object()
+    assert not fused.takes(hidden, meta), "a step with load-backs must go layer by layer"
