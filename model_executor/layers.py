@@ -125,8 +125,7 @@ class SiluAndMulMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # .forward, not __call__: no hooks here, and the per-call checks show in decode (llama.py).
         projection = self.gate_up_proj.forward
-        if (self.is_silu and isinstance(projection, AmxLinearWeight) and projection.fuses_silu
-                and x.dtype == torch.bfloat16):
+        if self.is_silu and getattr(projection, "fuses_silu", False) and projection.silu_fits(x):
             return self.down_proj.forward(projection.silu_and_mul(x))  # the lines below' bits, in one pass
         gate_up = projection(x)
         if self.is_silu and gate_up.is_cpu and gate_up.dtype in _FUSED_DTYPES and (ops := fused_ops()):
@@ -338,12 +337,32 @@ class BlockedLinearWeight:
         padded = self.packed.shape[0] * self.packed.shape[2]
         self.padded_bias = None if bias is None else F.pad(bias.detach().float(), (0, padded - self.out_features))
 
+        # A gate/up projection ([gate; up], each a whole number of 16-column blocks) can hand
+        # silu(gate) * up without writing the [rows, N] projection (SiluAndMulMLP asks).
+        self.fuses_silu = self.out_features % 32 == 0 and ops.blocked_silu_mul_available()
+
+    def _blocked_takes(self, x: torch.Tensor) -> bool:
+        return x.dtype == torch.float32 and (self.max_rows is None or x.numel() <= self.max_rows * x.shape[-1])
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or (self.max_rows is not None and x.numel() > self.max_rows * x.shape[-1]):
+        if not self._blocked_takes(x):
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
         out = self.ops.blocked_linear(x.reshape(-1, shape[-1]), self.packed, self.padded_bias, self.out_features)
         return out.view(*shape[:-1], self.out_features)
+
+    def silu_fits(self, x: torch.Tensor) -> bool:
+        """Whether silu_and_mul(x) runs here (else the MLP takes self(x) and fused_ops' SiLU)."""
+        return self._blocked_takes(x)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this gate/up projection of float32 `x`, bit for bit fused_ops'
+        silu_and_mul of self(x), without writing and re-reading the [rows, N] projection
+        (blocked_linear.cpp has the timings)."""
+        shape = x.shape
+        out = self.ops.blocked_linear_silu_mul(x.reshape(-1, shape[-1]), self.packed, self.padded_bias,
+                                               self.out_features)
+        return out.view(*shape[:-1], self.out_features // 2)
 
 
 def amx_linear_for(weight: torch.Tensor) -> tuple[ModuleType, ModuleType] | None:
@@ -376,6 +395,10 @@ class AmxLinearWeight:
         # A gate/up projection ([gate; up], each a whole number of 16-column blocks) can hand
         # silu(gate) * up straight from the tiles (SiluAndMulMLP asks).
         self.fuses_silu = self.out_features % 32 == 0
+
+    def silu_fits(self, x: torch.Tensor) -> bool:
+        """Whether silu_and_mul(x) runs here (else the MLP takes self(x) and fused_ops' SiLU)."""
+        return x.dtype == torch.bfloat16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:

@@ -113,34 +113,7 @@ inline void store_row(const float* c, const float* bias, int64_t cols, uint16_t*
   std::memcpy(y, &h, 2 * cols);
 }
 
-// silu(x) for 16 lanes, operation for operation fused_ops' silu_and_mul: x * (x >= 0 ? 1 : e) / (1 + e)
-// with e = hybridkv_cpu::exp_nonpositive(-|x|) (Cephes' expf; every product and sum rounded on its
-// own, as -ffp-contract=off builds both), so the bits agree. Written with intrinsics because
-// GCC left that scalar loop unvectorized at 16 iterations (~2 ns an element).
-inline __m512 silu16(__m512 x) {
-  const __m512 one = _mm512_set1_ps(1.f), lo = _mm512_set1_ps(-87.3f);
-  const __m512 ax = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x));  // -|x|
-  const __mmask16 live = _mm512_cmp_ps_mask(ax, lo, _CMP_GE_OQ);          // false for NaN, as !(x >= lo)
-  const __m512 xc = _mm512_mask_blend_ps(live, lo, ax);
-  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
-                                                      _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-  r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-  const __m512 r2 = _mm512_mul_ps(r, r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, r2), r), one);
-  const __m512 scale = _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
-  const __m512 e = _mm512_maskz_mul_ps(live, p, scale);
-  const __mmask16 nonneg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
-  return _mm512_mul_ps(x, _mm512_div_ps(_mm512_mask_blend_ps(nonneg, e, one), _mm512_add_ps(one, e)));
-}
+using hybridkv_cpu::silu16;  // cpu_math.h: the SiLU fused_ops' silu_and_mul computes, bit for bit
 
 // v rounded to bf16 (nearest even) and widened back.
 inline __m512 round_bf16(__m512 v) {

@@ -164,3 +164,60 @@ def test_blocked_linear_bf16_refuses_what_it_cannot_take():
     with pytest.raises(RuntimeError, match="N does not match"):
         ops.blocked_linear_bf16(torch.randn(3, 8).bfloat16(), packed, None, 40)
     assert layers.blocked_bf16_for(torch.randn(20, 7).bfloat16()) is None, "odd K keeps oneDNN"
+
+
+# -- the gate/up projection with silu(gate) * up in its epilogue ----------------------------------
+
+needs_fused_silu = pytest.mark.skipif(ops is None or not ops.blocked_silu_mul_available(),
+                                      reason="blocked_linear_silu_mul needs an AVX-512 build")
+
+
+@needs_fused_silu
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 300])  # remainders of the 6-row block; two row tiles
+@pytest.mark.parametrize("i, k", [(16, 8), (48, 64), (96, 576)])  # one gate block; an odd count; pairs
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_silu_gives_the_unfused_pairs_bits(rows, i, k, with_bias):
+    """blocked_linear_silu_mul is fused_ops.silu_and_mul(blocked_linear(...)) bit for bit: the same
+    FMA chain per output, then silu16 rounding each step as fused_ops does (its FMA contraction is
+    off although the module's is on)."""
+    from hybridkv.model_executor.cpu_kernels import fused_ops
+
+    g = torch.Generator().manual_seed(rows * 1000 + i + k)
+    w = torch.randn(2 * i, k, generator=g) * 0.3
+    b = torch.randn(2 * i, generator=g) if with_bias else None
+    x = torch.randn(rows, k, generator=g) * 2
+    x[0, :4] = torch.tensor([60.0, -60.0, 0.0, -0.0])  # large gates on either side of exp's range
+    linear = layers.BlockedLinearWeight(w, b, ops)
+    want = fused_ops().silu_and_mul(ops.blocked_linear(x, linear.packed, linear.padded_bias, 2 * i))
+    got = ops.blocked_linear_silu_mul(x, linear.packed, linear.padded_bias, 2 * i)
+    assert got.shape == (rows, i) and torch.equal(got, want)
+    gate, up = F.linear(x.double(), w.double(), None if b is None else b.double()).split(i, dim=-1)
+    torch.testing.assert_close(got.double(), F.silu(gate) * up, atol=1e-3, rtol=1e-3)  # float32 sums of K terms
+
+
+@needs_fused_silu
+def test_fused_silu_refuses_a_projection_it_cannot_split():
+    packed = ops.pack_blocked_linear(torch.randn(48, 64))
+    with pytest.raises(RuntimeError, match="N must be twice a multiple of 16"):
+        ops.blocked_linear_silu_mul(torch.randn(3, 64), packed, None, 48)
+
+
+@needs_fused_silu
+def test_silu_mlp_takes_the_fused_projection_with_the_same_bits(monkeypatch):
+    """SiluAndMulMLP in float32 with its weights in column blocks goes through the fused call once
+    per forward, and its output equals the unfused projection + silu_and_mul path exactly."""
+    torch.manual_seed(0)
+    mlp = layers.SiluAndMulMLP(64, 48)
+    layers.pack_linear_weights(mlp)
+    projection = mlp.gate_up_proj.forward
+    assert isinstance(projection, layers.BlockedLinearWeight) and projection.fuses_silu
+    x = torch.randn(2, 5, 64)
+    calls = []
+    real = projection.silu_and_mul
+    monkeypatch.setattr(projection, "silu_and_mul", lambda v: calls.append(v.shape) or real(v))
+    fused = mlp(x)
+    assert calls == [x.shape] and fused.shape == (2, 5, 64)
+    monkeypatch.setattr(projection, "fuses_silu", False)
+    assert torch.equal(fused, mlp(x)) and len(calls) == 1
+    # An input the blocked kernel does not take (another dtype) skips the fused call too.
+    assert not projection.silu_fits(x.double())
