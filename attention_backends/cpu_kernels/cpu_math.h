@@ -241,6 +241,19 @@ __attribute__((optimize("fp-contract=off"))) inline __m512 silu16(__m512 x) {
   const __mmask16 nonneg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
   return _mm512_mul_ps(x, _mm512_div_ps(_mm512_mask_blend_ps(nonneg, e, one), _mm512_add_ps(one, e)));
 }
+
+// v rounded to bf16 (nearest even) and widened back.
+__attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// silu(gate) * up in bf16 from a gate and an up float32 sum (bias added): what fused_ops'
+// silu_and_mul does to a bf16 linear's rounded output -- gate and up rounded to bf16 first, silu of
+// the gate rounded to bf16, times up, rounded once more -- so a fused call gives the same bits.
+__attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) inline __m256bh silu_mul_bf16(__m512 gate,
+                                                                                              __m512 up) {
+  return _mm512_cvtneps_pbh(_mm512_mul_ps(round_bf16(silu16(round_bf16(gate))), round_bf16(up)));
+}
 #endif
 
 }  // namespace hybridkv_cpu

@@ -41,13 +41,15 @@ def fused_ops() -> ModuleType | None:
 def blocked_linear_ops() -> ModuleType | None:
     """blocked_linear.cpp compiled (`pack_blocked_linear`, `blocked_linear`, the fused gate/up +
     SiLU `blocked_linear_silu_mul` where `blocked_silu_mul_available()`, and for bf16
-    `pack_interleaved_linear_bf16` / `blocked_linear_bf16` where `blocked_bf16_available()`, and
+    `pack_interleaved_linear_bf16` / `blocked_linear_bf16` / `blocked_linear_silu_mul_bf16` where
+    `blocked_bf16_available()`, and
     `pack_blocked_linear_bf16`, the plain column blocks amx_linear.cpp reads), or None when it
     cannot be built here."""
     return build_cpu_extension("hybridkv_blocked_linear", Path(__file__).with_name("blocked_linear.cpp"),
                                ["pack_blocked_linear", "blocked_linear", "blocked_linear_silu_mul", "blocked_silu_mul_available",
                                 "pack_blocked_linear_bf16",
-                                "pack_interleaved_linear_bf16", "blocked_linear_bf16", "blocked_bf16_available",
+                                "pack_interleaved_linear_bf16", "blocked_linear_bf16", "blocked_linear_silu_mul_bf16",
+                                "blocked_bf16_available",
                                 "kernel_addresses"],
                                "CPU blocked linear")
 

@@ -113,12 +113,7 @@ inline void store_row(const float* c, const float* bias, int64_t cols, uint16_t*
   std::memcpy(y, &h, 2 * cols);
 }
 
-using hybridkv_cpu::silu16;  // cpu_math.h: the SiLU fused_ops' silu_and_mul computes, bit for bit
-
-// v rounded to bf16 (nearest even) and widened back.
-inline __m512 round_bf16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
+using hybridkv_cpu::silu_mul_bf16;  // cpu_math.h: fused_ops' silu_and_mul in bf16, bit for bit
 
 // silu(gate) * up for one row of a gate and an up C tile (+ their biases) into 16 outputs of y:
 // what fused_ops' silu_and_mul does to this kernel's rounded output -- gate and up rounded to
@@ -128,9 +123,7 @@ inline void store_silu_mul_row(const float* c_gate, const float* c_up, const flo
                                uint16_t* y) {
   const __m512 bg = bias_gate ? _mm512_loadu_ps(bias_gate) : _mm512_setzero_ps();
   const __m512 bu = bias_up ? _mm512_loadu_ps(bias_up) : _mm512_setzero_ps();
-  const __m512 g = round_bf16(_mm512_add_ps(_mm512_load_ps(c_gate), bg));
-  const __m512 u = round_bf16(_mm512_add_ps(_mm512_load_ps(c_up), bu));
-  const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(round_bf16(silu16(g)), u));
+  const __m256bh h = silu_mul_bf16(_mm512_add_ps(_mm512_load_ps(c_gate), bg), _mm512_add_ps(_mm512_load_ps(c_up), bu));
   std::memcpy(y, &h, 32);
 }
 

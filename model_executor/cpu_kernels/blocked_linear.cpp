@@ -368,6 +368,58 @@ struct Bf16LastTile {
     tile_bf16<MR, 1, G>(x, K, w, block_stride, bias, y, ldy, n0, cols);
   }
 };
+
+// silu(gate) * up for MR rows from a run of kCB interleaved gate blocks at wg and the run of their
+// up blocks at wu (the same layout, I / 16 blocks further on): 2 x kCB accumulators a row, the
+// epilogue silu_mul_bf16 (cpu_math.h) -- fused_ops' silu_and_mul of tile_bf16's rounded outputs.
+constexpr int kSiluRowsBf16 = 4;  // 4 rows x 6 blocks = 24 accumulators, as tile_bf16<8, 3>
+
+template <int MR>
+__attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) inline void silu_tile_bf16(
+    const uint16_t* __restrict__ x, int64_t K, const uint16_t* __restrict__ wg, const uint16_t* __restrict__ wu,
+    const float* bias_g, const float* bias_u, uint16_t* __restrict__ y, int64_t ldy, int64_t n0) {
+  __m512 acc[MR][2 * kCB];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 2 * kCB; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    __m512bh wv[2 * kCB];
+    for (int c = 0; c < kCB; ++c) {
+      wv[c] = (__m512bh)_mm512_loadu_si512(wg + (kp * kCB + c) * 32);
+      wv[kCB + c] = (__m512bh)_mm512_loadu_si512(wu + (kp * kCB + c) * 32);
+    }
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * K + 2 * kp, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < 2 * kCB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, wv[j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < kCB; ++c) {
+      __m512 g = acc[m][c], u = acc[m][kCB + c];
+      if (bias_g) {
+        g = _mm512_add_ps(g, _mm512_loadu_ps(bias_g + n0 + c * 16));
+        u = _mm512_add_ps(u, _mm512_loadu_ps(bias_u + n0 + c * 16));
+      }
+      const __m256bh h = hybridkv_cpu::silu_mul_bf16(g, u);
+      std::memcpy(y + m * ldy + n0 + c * 16, &h, 32);
+    }
+}
+
+void silu_rows_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wg, const uint16_t* wu,
+                    const float* bias_g, const float* bias_u, uint16_t* y, int64_t ldy, int64_t n0) {
+  int64_t m = 0;
+  for (; m + kSiluRowsBf16 <= M; m += kSiluRowsBf16)
+    silu_tile_bf16<kSiluRowsBf16>(x + m * K, K, wg, wu, bias_g, bias_u, y + m * ldy, ldy, n0);
+  const uint16_t* xm = x + m * K;
+  uint16_t* ym = y + m * ldy;
+  switch (M - m) {
+    case 1: return silu_tile_bf16<1>(xm, K, wg, wu, bias_g, bias_u, ym, ldy, n0);
+    case 2: return silu_tile_bf16<2>(xm, K, wg, wu, bias_g, bias_u, ym, ldy, n0);
+    case 3: return silu_tile_bf16<3>(xm, K, wg, wu, bias_g, bias_u, ym, ldy, n0);
+  }
+  static_assert(kSiluRowsBf16 == 4, "the remainder switch covers kSiluRowsBf16 - 1 rows");
+}
 #endif
 
 }  // namespace
@@ -453,6 +505,52 @@ torch::Tensor blocked_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::op
         }
         static_assert(kCB == 3, "the last group has 1 or 2 blocks");
       });
+#endif
+  return y;
+}
+
+// silu(gate) * up of x [M, K] bfloat16 against a pack_interleaved_linear_bf16 weight of a [gate; up]
+// projection of N = 2I outputs, where each half is a whole number of kCB-block groups (I a
+// multiple of 48), so gate group g and up group g + I / 48 interleave their blocks alike; bias as
+// blocked_linear_bf16's. Returns [M, I] bfloat16, bit for bit fused_ops' silu_and_mul of
+// blocked_linear_bf16's output. Needs AVX512-BF16.
+torch::Tensor blocked_linear_silu_mul_bf16(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                                           int64_t N) {
+  TORCH_CHECK(hybridkv_cpu::cpu_has_avx512_bf16(), "blocked_linear_silu_mul_bf16: this CPU has no AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
+              "blocked_linear_silu_mul_bf16: x must be [M, K] bfloat16");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(1) == x.size(1) * kBlockCols,
+              "blocked_linear_silu_mul_bf16: packed must be a pack_interleaved_linear_bf16 weight of x's K");
+  const int64_t blocks = packed.size(0), K = x.size(1), M = x.size(0), I = N / 2;
+  TORCH_CHECK(N % (2 * kCB * kBlockCols) == 0 && blocks * kBlockCols == N,
+              "blocked_linear_silu_mul_bf16: N must be twice a multiple of 48 and match the blocks");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "blocked_linear_silu_mul_bf16: bias must be float32 with N entries");
+    b = bias->data_ptr<float>();
+  }
+  const auto xc = x.contiguous();
+  auto y = torch::empty({M, I}, x.options());
+#if defined(__AVX512F__)
+  if (M == 0) return y;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t stride = K * kBlockCols;  // elements per block
+  const int64_t half = blocks / 2, groups = half / kCB;
+  const float* bias_up = b == nullptr ? nullptr : b + I;
+  const int64_t row_tiles = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t tile_rows = (M + row_tiles - 1) / row_tiles;
+  at::parallel_for(0, row_tiles * groups, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t m0 = i / groups * tile_rows, mr = std::min<int64_t>(tile_rows, M - m0);
+      const int64_t c = i % groups * kCB;
+      silu_rows_bf16(xp + m0 * K, mr, K, w + c * stride, w + (c + half) * stride, b, bias_up, yp + m0 * I, I,
+                     c * kBlockCols);
+    }
+  });
 #endif
   return y;
 }

@@ -221,3 +221,56 @@ def test_silu_mlp_takes_the_fused_projection_with_the_same_bits(monkeypatch):
     assert torch.equal(fused, mlp(x)) and len(calls) == 1
     # An input the blocked kernel does not take (another dtype) skips the fused call too.
     assert not projection.silu_fits(x.double())
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 300])  # remainders of the 4-row block; two row tiles
+@pytest.mark.parametrize("i, k", [(48, 64), (96, 34), (1536, 576)])  # one group a half; an odd k pair count
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_silu_bf16_gives_the_unfused_pairs_bits(rows, i, k, with_bias):
+    """blocked_linear_silu_mul_bf16 is fused_ops.silu_and_mul(blocked_linear_bf16(...)) bit for
+    bit: gate and up rounded to bf16, silu rounded, the product rounded, as the unfused pair does."""
+    from hybridkv.model_executor.cpu_kernels import fused_ops
+
+    g = torch.Generator().manual_seed(rows * 1000 + i + k)
+    w = (torch.randn(2 * i, k, generator=g) * 0.3).bfloat16()
+    b = torch.randn(2 * i, generator=g) if with_bias else None
+    x = (torch.randn(rows, k, generator=g) * 2).bfloat16()
+    x[0, :4] = torch.tensor([60.0, -60.0, 0.0, -0.0])  # large gates on either side of exp's range
+    packed = ops.pack_interleaved_linear_bf16(w)
+    want = fused_ops().silu_and_mul(ops.blocked_linear_bf16(x, packed, b, 2 * i))
+    got = ops.blocked_linear_silu_mul_bf16(x, packed, b, 2 * i)
+    assert got.shape == (rows, i) and got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@needs_bf16
+def test_fused_silu_bf16_refuses_halves_that_are_not_whole_groups():
+    packed = ops.pack_interleaved_linear_bf16(torch.randn(64, 64).bfloat16())  # halves of 2 blocks
+    with pytest.raises(RuntimeError, match="twice a multiple of 48"):
+        ops.blocked_linear_silu_mul_bf16(torch.randn(3, 64).bfloat16(), packed, None, 64)
+
+
+@needs_bf16
+def test_silu_mlp_in_bf16_takes_the_fused_projection(monkeypatch):
+    """SiluAndMulMLP in bf16 on the vdpbf16ps kernel goes through the fused call, with the unfused
+    pair's bits; past blocked_rows only where that kernel is not the AMX CPUs' decode path."""
+    if layers.amx_linear_for(torch.empty(96, 64, dtype=torch.bfloat16)) is not None:
+        pytest.skip("AMX CPUs put bf16 weights on the AMX linear (its own fused test)")
+    torch.manual_seed(0)
+    mlp = layers.SiluAndMulMLP(64, 48).bfloat16()
+    layers.pack_linear_weights(mlp)
+    projection = mlp.gate_up_proj.forward
+    assert isinstance(projection, layers.PackedLinearWeight) and projection.fuses_silu
+    x = torch.randn(2, 5, 64).bfloat16()
+    calls = []
+    real = projection.silu_and_mul
+    monkeypatch.setattr(projection, "silu_and_mul", lambda v: calls.append(v.shape) or real(v))
+    fused = mlp(x)
+    assert calls == [x.shape]
+    monkeypatch.setattr(projection, "fuses_silu", False)
+    assert torch.equal(fused, mlp(x)) and len(calls) == 1
+    # Past blocked_rows only where the kernel serves BLOCKED_MAX_ROWS_BF16 (no AMX beside it).
+    longer = torch.randn(projection.blocked_rows + 1, 64).bfloat16()
+    assert projection.silu_fits(longer) == (projection.blocked_rows >= layers.BLOCKED_MAX_ROWS_BF16)
+    monkeypatch.setattr(projection, "blocked_rows", layers.BLOCKED_MAX_ROWS_BF16_BESIDE_AMX)
+    assert not projection.silu_fits(torch.randn(layers.BLOCKED_MAX_ROWS_BF16_BESIDE_AMX + 1, 64).bfloat16())
