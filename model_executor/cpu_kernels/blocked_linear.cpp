@@ -97,31 +97,48 @@ struct FloatTile {
   }
 };
 
-// The work items of either dtype's kernel: (row tile, group of kCB column blocks), row tile outer;
-// full(x, rows, w, y, n0, cols) takes a whole group, one(...) the last, narrower group's blocks one
-// at a time. Row tiles are of equal size (at most kRowBlock): 300 rows are two tiles of 150, not
-// 256 + 44. A block is K * kBlockCols elements in either layout.
+// Every kernel's work items: (row tile, column item) for `items` column items, row tile outer, so a
+// thread's consecutive items reuse the same rows of x from its cache while the weights stream.
+// Row tiles are of equal size (at most kRowBlock): 300 rows are two tiles of 150, not 256 + 44.
+// fn(m0, rows, item) runs one.
+template <typename Fn>
+void for_each_tile(int64_t M, int64_t items, Fn fn) {
+  const int64_t row_tiles = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t tile_rows = (M + row_tiles - 1) / row_tiles;
+  at::parallel_for(0, row_tiles * items, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t m0 = i / items * tile_rows;
+      fn(m0, std::min<int64_t>(tile_rows, M - m0), i % items);
+    }
+  });
+}
+
+// The work items of either dtype's linear: (row tile, group of kCB column blocks); full(x, rows,
+// w, y, n0, cols) takes a whole group, one(...) the last, narrower group's blocks one at a time.
+// A block is K * kBlockCols elements in either layout.
 template <typename T, typename Full, typename One>
 void for_each_item(const T* xp, int64_t M, int64_t K, const T* w, int64_t blocks, T* yp, int64_t N, Full full,
                    One one) {
   const int64_t stride = K * kBlockCols;
-  const int64_t groups = (blocks + kCB - 1) / kCB;
-  const int64_t row_tiles = (M + kRowBlock - 1) / kRowBlock;
-  const int64_t tile_rows = (M + row_tiles - 1) / row_tiles;
-  at::parallel_for(0, row_tiles * groups, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t m0 = i / groups * tile_rows, mr = std::min<int64_t>(tile_rows, M - m0);
-      const int64_t c0 = i % groups * kCB, cb = std::min<int64_t>(kCB, blocks - c0);
-      if (cb == kCB) {
-        full(xp + m0 * K, mr, w + c0 * stride, yp + m0 * N, c0 * kBlockCols,
-             std::min<int64_t>(kCB * kBlockCols, N - c0 * kBlockCols));
-      } else {
-        for (int64_t c = c0; c < c0 + cb; ++c)
-          one(xp + m0 * K, mr, w + c * stride, yp + m0 * N, c * kBlockCols,
-              std::min<int64_t>(kBlockCols, N - c * kBlockCols));
-      }
+  for_each_tile(M, (blocks + kCB - 1) / kCB, [&](int64_t m0, int64_t mr, int64_t group) {
+    const int64_t c0 = group * kCB, cb = std::min<int64_t>(kCB, blocks - c0);
+    if (cb == kCB) {
+      full(xp + m0 * K, mr, w + c0 * stride, yp + m0 * N, c0 * kBlockCols,
+           std::min<int64_t>(kCB * kBlockCols, N - c0 * kBlockCols));
+    } else {
+      for (int64_t c = c0; c < c0 + cb; ++c)
+        one(xp + m0 * K, mr, w + c * stride, yp + m0 * N, c * kBlockCols,
+            std::min<int64_t>(kBlockCols, N - c * kBlockCols));
     }
   });
+}
+
+// The bias of a fused gate/up call (float32 with N entries, the gate's then the up's), or nullptr.
+const float* gate_up_bias(const c10::optional<torch::Tensor>& bias, int64_t N, const char* name) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, name,
+              ": bias must be float32 with N entries");
+  return bias->data_ptr<float>();
 }
 
 }  // namespace
@@ -184,7 +201,8 @@ torch::Tensor blocked_linear(torch::Tensor x, torch::Tensor packed, c10::optiona
 // written and re-read. Each sum is the same FMA chain over k as blocked_linear's and silu16 is
 // fused_ops' silu_and_mul operation for operation, so the result is bit for bit
 // silu_and_mul(blocked_linear(x)). 2-core Zen 4, the demo model's 576 -> 2 x 1,536, ms, unfused /
-// fused: 1,024 rows 19.0-19.2 / 17.4-17.6, 180 rows 3.0-3.5 / 2.9-3.2.
+// fused: 1,024 rows 19.0-19.2 / 17.4-17.6, 180 rows 3.0-3.5 / 2.9-3.2 (the tile's prototype, before
+// the remainder switch; full-row blocks are the same code).
 namespace {
 #if defined(__AVX512F__)
 constexpr int kSiluRows = 6;  // 6 rows x 4 blocks = 24 accumulators, as tile<8, 3>
@@ -263,12 +281,7 @@ torch::Tensor blocked_linear_silu_mul(torch::Tensor x, torch::Tensor packed, c10
   const int64_t blocks = packed.size(0), K = x.size(1), M = x.size(0), I = N / 2;
   TORCH_CHECK(N % (2 * kBlockCols) == 0 && blocks * kBlockCols == N,
               "blocked_linear_silu_mul: N must be twice a multiple of 16 and match the blocks");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "blocked_linear_silu_mul: bias must be float32 with N entries");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = gate_up_bias(bias, N, "blocked_linear_silu_mul");
   const auto xc = x.contiguous();
   auto y = torch::empty({M, I}, x.options());
 #if defined(__AVX512F__)
@@ -278,21 +291,15 @@ torch::Tensor blocked_linear_silu_mul(torch::Tensor x, torch::Tensor packed, c10
   float* yp = y.data_ptr<float>();
   const int64_t stride = K * kBlockCols, half = blocks / 2;
   const float* bias_up = b == nullptr ? nullptr : b + I;
-  // Work items (row tile, pair of gate blocks), row tile outer, as for_each_item's.
-  const int64_t pairs = (half + 1) / 2;
-  const int64_t row_tiles = (M + kRowBlock - 1) / kRowBlock;
-  const int64_t tile_rows = (M + row_tiles - 1) / row_tiles;
-  at::parallel_for(0, row_tiles * pairs, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t m0 = i / pairs * tile_rows, mr = std::min<int64_t>(tile_rows, M - m0);
-      const int64_t c = i % pairs * 2, n0 = c * kBlockCols;
-      const float* wg = w + c * stride;
-      const float* wu = wg + half * stride;
-      if (c + 2 <= half)
-        silu_rows<2>(xp + m0 * K, mr, K, wg, wu, stride, b, bias_up, yp + m0 * I, I, n0, 2 * kBlockCols);
-      else
-        silu_rows<1>(xp + m0 * K, mr, K, wg, wu, stride, b, bias_up, yp + m0 * I, I, n0, kBlockCols);
-    }
+  // Work items (row tile, pair of gate blocks); the last pair has one block when the half is odd.
+  for_each_tile(M, (half + 1) / 2, [&](int64_t m0, int64_t mr, int64_t pair) {
+    const int64_t c = pair * 2, n0 = c * kBlockCols;
+    const float* wg = w + c * stride;
+    const float* wu = wg + half * stride;
+    if (c + 2 <= half)
+      silu_rows<2>(xp + m0 * K, mr, K, wg, wu, stride, b, bias_up, yp + m0 * I, I, n0, 2 * kBlockCols);
+    else
+      silu_rows<1>(xp + m0 * K, mr, K, wg, wu, stride, b, bias_up, yp + m0 * I, I, n0, kBlockCols);
   });
 #endif
   return y;
@@ -525,12 +532,7 @@ torch::Tensor blocked_linear_silu_mul_bf16(torch::Tensor x, torch::Tensor packed
   const int64_t blocks = packed.size(0), K = x.size(1), M = x.size(0), I = N / 2;
   TORCH_CHECK(N % (2 * kCB * kBlockCols) == 0 && blocks * kBlockCols == N,
               "blocked_linear_silu_mul_bf16: N must be twice a multiple of 48 and match the blocks");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "blocked_linear_silu_mul_bf16: bias must be float32 with N entries");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = gate_up_bias(bias, N, "blocked_linear_silu_mul_bf16");
   const auto xc = x.contiguous();
   auto y = torch::empty({M, I}, x.options());
 #if defined(__AVX512F__)
@@ -539,17 +541,13 @@ torch::Tensor blocked_linear_silu_mul_bf16(torch::Tensor x, torch::Tensor packed
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t stride = K * kBlockCols;  // elements per block
-  const int64_t half = blocks / 2, groups = half / kCB;
+  const int64_t half = blocks / 2;
   const float* bias_up = b == nullptr ? nullptr : b + I;
-  const int64_t row_tiles = (M + kRowBlock - 1) / kRowBlock;
-  const int64_t tile_rows = (M + row_tiles - 1) / row_tiles;
-  at::parallel_for(0, row_tiles * groups, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t m0 = i / groups * tile_rows, mr = std::min<int64_t>(tile_rows, M - m0);
-      const int64_t c = i % groups * kCB;
-      silu_rows_bf16(xp + m0 * K, mr, K, w + c * stride, w + (c + half) * stride, b, bias_up, yp + m0 * I, I,
-                     c * kBlockCols);
-    }
+  // Work items (row tile, group of kCB gate blocks); every group is whole (checked above).
+  for_each_tile(M, half / kCB, [&](int64_t m0, int64_t mr, int64_t group) {
+    const int64_t c = group * kCB;
+    silu_rows_bf16(xp + m0 * K, mr, K, w + c * stride, w + (c + half) * stride, b, bias_up, yp + m0 * I, I,
+                   c * kBlockCols);
   });
 #endif
   return y;

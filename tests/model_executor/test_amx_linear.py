@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from amx_helpers import require_amx  # tests/ is on sys.path (conftest's folder)
+from fused_silu_checks import assert_mlp_fuses_silu
 from hybridkv.model_executor import layers
 from hybridkv.model_executor.cpu_kernels import amx_linear_ops, blocked_linear_ops
 
@@ -140,16 +141,4 @@ def test_fused_silu_refuses_a_projection_it_cannot_split(ops):
 def test_silu_mlp_takes_the_fused_projection_with_the_same_bits(ops, monkeypatch):
     """SiluAndMulMLP in bf16 with its weights on AMX goes through the fused call once per forward,
     and its output equals the unfused projection + silu_and_mul path exactly."""
-    torch.manual_seed(0)
-    mlp = layers.SiluAndMulMLP(64, 48).bfloat16()
-    layers.pack_linear_weights(mlp)
-    projection = mlp.gate_up_proj.forward
-    assert isinstance(projection, layers.AmxLinearWeight) and projection.fuses_silu
-    x = torch.randn(2, 5, 64).bfloat16()
-    calls = []
-    real = projection.silu_and_mul
-    monkeypatch.setattr(projection, "silu_and_mul", lambda v: calls.append(v.shape) or real(v))
-    fused = mlp(x)
-    assert calls == [x.shape] and fused.shape == (2, 5, 64)
-    monkeypatch.setattr(projection, "fuses_silu", False)
-    assert torch.equal(fused, mlp(x)) and len(calls) == 1
+    assert_mlp_fuses_silu(monkeypatch, torch.bfloat16, layers.AmxLinearWeight)
