@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from online_peer import add_load_args  # noqa: E402
 
 from hybridkv import LLM, SamplingParams  # noqa: E402
-from hybridkv.entrypoints.cli import SERVE_MAX_STEP_SECONDS, SERVE_TARGET_STEP_SECONDS  # noqa: E402
+from hybridkv.entrypoints.cli import SERVE_TARGET_STEP_SECONDS, step_target  # noqa: E402
 
 
 def run(llm: LLM, prompts: list[list[int]], output_len: int, concurrency: int, tag: str, stagger: float = 0.0) -> dict:
@@ -106,11 +106,12 @@ def run(llm: LLM, prompts: list[list[int]], output_len: int, concurrency: int, t
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_load_args(ap)  # the same load as online_peer.py's
-    ap.add_argument("--target-step-seconds", type=float, default=SERVE_TARGET_STEP_SECONDS,
-                    help=f"the scheduler's step target (default: serve's, {SERVE_TARGET_STEP_SECONDS}; 0 = off)")
-    ap.add_argument("--max-step-seconds", type=float, default=SERVE_MAX_STEP_SECONDS,
-                    help=f"the longest step while streams decode (default: serve's, {SERVE_MAX_STEP_SECONDS}; "
-                         "0 = the target: every step held to it)")
+    ap.add_argument("--target-step-seconds", type=step_target, default=SERVE_TARGET_STEP_SECONDS,
+                    help=f"the scheduler's step target, seconds or 'auto' (default: serve's, "
+                         f"{SERVE_TARGET_STEP_SECONDS}; 0 = off)")
+    ap.add_argument("--max-step-seconds", type=float, default=None,
+                    help="the longest step while streams decode (default: serve's: with 'auto' derived from "
+                         "the target, else the target; 0 = the target: every step held to it)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--stagger", type=float, default=0.0,
@@ -128,9 +129,11 @@ def main(argv=None) -> int:
     run(llm, prompts[args.num_prompts:], args.output_len, args.concurrency, "warm")
     r = run(llm, prompts[: args.num_prompts], args.output_len, args.concurrency, "req", args.stagger)
     budget = llm.engine.config.max_num_batched_tokens or "engine default"
+    sched = llm.engine.scheduler.config  # the target in force ("auto" resolved)
     print(f"{args.num_prompts} requests of {args.input_len} in / {args.output_len} out, concurrency "
-          f"{args.concurrency}; step target {args.target_step_seconds or 'off'}, longest step "
-          f"{args.max_step_seconds or args.target_step_seconds or 'off'}, max_num_batched_tokens {budget}; "
+          f"{args.concurrency}; step target {sched.target_step_seconds or 'off'}"
+          f"{' (auto)' if args.target_step_seconds == 'auto' else ''}, longest step "
+          f"{sched.max_step_seconds or sched.target_step_seconds or 'off'}, max_num_batched_tokens {budget}; "
           f"first wave {'staggered over ' + format(args.stagger, 'g') + ' s' if args.stagger else 'all at once'}")
     print(f"  duration {r['duration']:.1f} s, {r['req_s']:.3f} req/s, mean TTFT {r['ttft']:.2f} s, "
           f"mean TPOT {r['tpot'] * 1e3:.0f} ms")

@@ -45,8 +45,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None = max(2048, max_model_len)
     # While requests decode, size prefill chunks so a step's estimated time stays under this
     # (seconds): a long prompt cannot freeze running streams. None = the token budget alone
-    # (offline default, for throughput); `hybridkv serve` defaults to 0.25.
-    target_step_seconds: float | None = None
+    # (offline default, for throughput); "auto" (`hybridkv serve`'s default) = the time of ~160
+    # prompt tokens' projections on this machine, as the scheduler measures it (engine/step_target.py).
+    target_step_seconds: float | str | None = None
     # With a target: the longest a step may be planned while requests decode (and the bound on
     # steps while streamed prompts wait for first tokens with nothing decoding). Above the target,
     # cheap decode-only steps bank time for fewer, longer prefill steps and the mean gap stays at

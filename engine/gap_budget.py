@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridkv.engine.step_target import STEP_TARGET_AUTO
+
 # Banking needs each decode-only step to leave at least this share of the bank under the
 # target, estimated before it and measured after it; otherwise (a decode batch that alone takes
 # about the target, or a machine slower than the timer thinks) the step is held to the target,
@@ -47,8 +49,15 @@ def least_step_seconds(decode_seconds: float) -> float:
     return decode_seconds / (1.0 - MIN_PREFILL_SHARE)
 
 
-def check_step_seconds(target: float | None, longest: float | None) -> None:
-    """The configs' check of a (target_step_seconds, max_step_seconds) pair; None = unset."""
+def check_step_seconds(target: float | str | None, longest: float | None) -> None:
+    """The configs' check of a (target_step_seconds, max_step_seconds) pair; None = unset,
+    "auto" = engine/step_target.py's target, which an explicit longest step bounds."""
+    if target == STEP_TARGET_AUTO:
+        if longest is not None and not longest > 0:
+            raise ValueError(f"max_step_seconds must be > 0 or None, got {longest}")
+        return
+    if isinstance(target, str):
+        raise ValueError(f"target_step_seconds must be seconds, {STEP_TARGET_AUTO!r} or None, got {target!r}")
     if target is not None and not target > 0:
         raise ValueError(f"target_step_seconds must be > 0 or None, got {target}")
     if longest is not None and (target is None or not longest >= target):
@@ -72,6 +81,13 @@ class GapBudget:
     def bank_seconds(self) -> float:
         """The most credit kept: what lifts one step from the target to max_seconds."""
         return self.max_seconds - self.target_seconds
+
+    def retarget(self, target_seconds: float, max_seconds: float) -> None:
+        """A new (target, longest step) pair (the "auto" target follows the machine's measured
+        prefill rate); credit beyond the new bank is dropped."""
+        self.target_seconds, self.max_seconds = target_seconds, max_seconds
+        bank = self.bank_seconds
+        self.credit_seconds = max(-bank, min(bank, self.credit_seconds))
 
     def plan(self, watched: bool, decode_seconds: float) -> float | None:
         """Seconds the next step may take; None: no limit (no interactive stream decodes); 0.0:

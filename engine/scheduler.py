@@ -34,6 +34,7 @@ from hybridkv.block_manager.kv_cache_manager import KVCacheManager
 from hybridkv.engine.gap_budget import GapBudget, check_step_seconds
 from hybridkv.engine.request import Request, RequestStatus
 from hybridkv.engine.scheduling_policy import SchedulingPolicy
+from hybridkv.engine.step_target import MAX_TARGET_SECONDS, STEP_TARGET_AUTO, auto_step_target
 from hybridkv.engine.step_timer import StepTimer
 from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
 from hybridkv.model_executor.step_cost import StepCost
@@ -45,7 +46,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     policy: str = "fcfs"
-    target_step_seconds: float | None = None  # None: the token budget alone sizes prefill chunks
+    target_step_seconds: float | str | None = None  # None: the token budget alone sizes prefill chunks; "auto": engine/step_target.py
     # The longest step planned while streams decode (engine/gap_budget.py); None: the target, so
     # every step is held to it. Above it, time steps leave under the target buys longer prefill steps.
     max_step_seconds: float | None = None
@@ -105,15 +106,22 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, step_cost: StepCost | None = None,
                  storage=None) -> None:
         """storage: the engine's StorageTier (HiCache L3), or None."""
-        if config.target_step_seconds is not None and step_cost is None:
-            raise ValueError("a target_step_seconds needs the model's step_cost to price chunks")
         self.config = config
         self.kv = kv
         self.step_cost = step_cost
         self.storage = storage
-        self.timer = StepTimer(config.target_step_seconds) if config.target_step_seconds is not None else None
-        self.gaps = (GapBudget(config.target_step_seconds, config.max_step_seconds or config.target_step_seconds)
-                     if config.target_step_seconds is not None else None)
+        self.timer: StepTimer | None = None
+        self.gaps: GapBudget | None = None
+        self.auto_target = config.target_step_seconds == STEP_TARGET_AUTO
+        if config.target_step_seconds is not None:
+            if step_cost is None:
+                raise ValueError("a target_step_seconds needs the model's step_cost to price chunks")
+            if self.auto_target:  # follows the timer's rate: its first, pessimistic one until prefills are measured
+                self.timer = StepTimer(MAX_TARGET_SECONDS)
+                self.gaps = GapBudget(*self._auto_step_target())
+            else:
+                self.timer = StepTimer(config.target_step_seconds)
+                self.gaps = GapBudget(config.target_step_seconds, config.max_step_seconds or config.target_step_seconds)
         # Preemption accounting: resumes that loaded pages back from the host (swap-ins), tokens
         # they loaded, and whole-page tokens a resume had to recompute (the cache had lost them).
         self.num_swap_ins = 0
@@ -255,6 +263,8 @@ class Scheduler:
                 context += computed
                 watched = watched or r.interactive
         self._floor_used = False
+        if self.auto_target:
+            self.gaps.retarget(*self._auto_step_target())
         cost = self.step_cost
         flops = cost.decode_flops(n, context) if n else 0.0
         out.estimated_flops = flops
@@ -272,6 +282,11 @@ class Scheduler:
         if self.gaps.banking:  # decodes only, not even the minimum chunk
             self._floor_used = True
         self._seconds_left = None if allowed is None else allowed - decode_seconds
+
+    def _auto_step_target(self) -> tuple[float, float]:
+        """The "auto" (target, longest step): a fixed number of prompt tokens' projections at the
+        rate the timer has measured (engine/step_target.py)."""
+        return auto_step_target(self.timer.seconds_per_flop * self.step_cost.flops_per_token, self.config.max_step_seconds)
 
     def _price_chunk(self, start: int, n: int, total: int, out: SchedulerOutput) -> int:
         """How many of n prefill tokens from `start` (of `total` known) fit this step; charges

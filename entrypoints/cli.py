@@ -13,11 +13,21 @@ import sys
 CLI_EXCLUDED_LLM_KWARGS = frozenset({"allow_pickle_weights"})
 
 DEFAULT_ATTENTION_BACKEND = "auto"
-# A server's streams should not freeze behind someone's long prompt: a step's target time.
-SERVE_TARGET_STEP_SECONDS = 0.25
-# ...on average; one step may take up to this, spending time earlier steps left under the
-# target on a longer prefill chunk (engine/gap_budget.py). Under issue 9's 0.5 s p99 gap bound.
-SERVE_MAX_STEP_SECONDS = 0.4
+# A server's streams should not freeze behind someone's long prompt: a step's target time,
+# "auto" = the time ~160 prompt tokens' projections take on this machine (as the scheduler
+# measures it), within 0.05-0.25 s, with the longest step 1.9x that, at most 0.4 s under issue
+# 9's 0.5 s p99 gap bound (engine/step_target.py).
+SERVE_TARGET_STEP_SECONDS = "auto"
+
+
+def step_target(text: str) -> float | str:
+    """--target-step-seconds: seconds, or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or 'auto', got {text!r}") from None
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -32,14 +42,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV page (default: the model's page size, 16 for dense models, 128 for DeepSeek-V4)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--target-step-seconds", type=float, default=None,
+    p.add_argument("--target-step-seconds", type=step_target, default=None,
                    help="while requests decode, size prefill chunks so a step stays under this many seconds "
+                        "on average; 'auto' = the time of ~160 prompt tokens' projections on this machine, "
+                        "measured as it runs "
                         f"(default: off for generate, {SERVE_TARGET_STEP_SECONDS} for serve; 0 = off)")
     p.add_argument("--max-step-seconds", type=float, default=None,
                    help="with a step target: the longest step while requests decode or streamed prompts wait "
                         "for a first token; above the target, time "
                         "steps leave under it buys fewer, longer prefill steps and the mean stays at the target "
-                        f"(default: the target for generate, {SERVE_MAX_STEP_SECONDS} for serve)")
+                        "(default: the target; with 'auto', 1.9x the target, at most 0.4)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
@@ -162,7 +174,6 @@ def serve_engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = engine_kwargs(args)
     if args.target_step_seconds is None:  # serving default; an explicit 0 turns it off
         kwargs["target_step_seconds"] = SERVE_TARGET_STEP_SECONDS
-        kwargs["max_step_seconds"] = args.max_step_seconds or SERVE_MAX_STEP_SECONDS
     return kwargs
 
 

@@ -56,7 +56,7 @@ class LLM:
         kv_cache_memory_bytes: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
-        target_step_seconds: float | None = None,
+        target_step_seconds: float | str | None = None,
         max_step_seconds: float | None = None,
         allow_pickle_weights: bool = False,
         chat_template: str | None = None,

@@ -12,7 +12,7 @@ from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.llm_engine import LLMEngine
 from hybridkv.entrypoints import LLM
 from hybridkv.entrypoints.cli import (
-    CLI_EXCLUDED_LLM_KWARGS, SERVE_MAX_STEP_SECONDS, SERVE_TARGET_STEP_SECONDS, build_parser, engine_kwargs, main,
+    CLI_EXCLUDED_LLM_KWARGS, SERVE_TARGET_STEP_SECONDS, build_parser, engine_kwargs, main,
     max_queued_requests, serve_engine_kwargs, server_settings,
 )
 from hybridkv.entrypoints.openai.api_server import API_KEY_ENV, ServerSettings
@@ -146,16 +146,18 @@ def test_serve_refuses_bad_limits_before_loading_a_model(flag, value, capsys):
     assert flag.lstrip("-").replace("-", "_") in err.replace("-", "_") and "/no/such/model" not in err
 
 
-def test_serve_defaults_to_a_step_target_with_a_longer_longest_step():
+def test_serve_defaults_to_the_auto_step_target():
     parse = build_parser().parse_args
     kw = serve_engine_kwargs(parse(["serve"]))
-    assert (kw["target_step_seconds"], kw["max_step_seconds"]) == (SERVE_TARGET_STEP_SECONDS, SERVE_MAX_STEP_SECONDS)
-    assert SERVE_MAX_STEP_SECONDS <= 0.5, "issue 9 bounds a stream's p99 gap at 0.5 s"
+    assert (kw["target_step_seconds"], kw["max_step_seconds"]) == (SERVE_TARGET_STEP_SECONDS, None) == ("auto", None)
     assert serve_engine_kwargs(parse(["serve", "--max-step-seconds", "0.3"]))["max_step_seconds"] == 0.3
     # An explicit target without a longest step holds every step to that target, as before.
     kw = serve_engine_kwargs(parse(["serve", "--target-step-seconds", "0.5"]))
     assert (kw["target_step_seconds"], kw["max_step_seconds"]) == (0.5, None)
     kw = serve_engine_kwargs(parse(["serve", "--target-step-seconds", "0"]))
     assert (kw["target_step_seconds"], kw["max_step_seconds"]) == (None, None)
+    assert engine_kwargs(parse(["generate", "--target-step-seconds", "auto"]))["target_step_seconds"] == "auto"
     with pytest.raises(ValueError, match="max_step_seconds"):
-        EngineConfig(model="m", **serve_engine_kwargs(parse(["serve", "--max-step-seconds", "0.1"])))
+        EngineConfig(model="m", **serve_engine_kwargs(parse(["serve", "--max-step-seconds", "-1"])))
+    with pytest.raises(SystemExit):
+        parse(["serve", "--target-step-seconds", "soon"])
