@@ -26,6 +26,7 @@ prefilling prompt + outputs so far, mostly from cache).
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from hybridkv.engine.step_target import MAX_TARGET_SECONDS, STEP_TARGET_AUTO, au
 from hybridkv.engine.step_timer import StepTimer
 from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
 from hybridkv.model_executor.step_cost import StepCost
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -119,6 +122,7 @@ class Scheduler:
             if self.auto_target:  # follows the timer's rate: its first, pessimistic one until prefills are measured
                 self.timer = StepTimer(MAX_TARGET_SECONDS)
                 self.gaps = GapBudget(*self._auto_step_target())
+                self._logged_target = self.gaps.target_seconds
             else:
                 self.timer = StepTimer(config.target_step_seconds)
                 self.gaps = GapBudget(config.target_step_seconds, config.max_step_seconds or config.target_step_seconds)
@@ -264,7 +268,7 @@ class Scheduler:
                 watched = watched or r.interactive
         self._floor_used = False
         if self.auto_target:
-            self.gaps.retarget(*self._auto_step_target())
+            self._retarget()
         cost = self.step_cost
         flops = cost.decode_flops(n, context) if n else 0.0
         out.estimated_flops = flops
@@ -282,6 +286,15 @@ class Scheduler:
         if self.gaps.banking:  # decodes only, not even the minimum chunk
             self._floor_used = True
         self._seconds_left = None if allowed is None else allowed - decode_seconds
+
+    def _retarget(self) -> None:
+        """The "auto" target at the timer's current rate; logged when it moves by a tenth."""
+        target, longest = self._auto_step_target()
+        self.gaps.retarget(target, longest)
+        if abs(target - self._logged_target) > 0.1 * self._logged_target:
+            self._logged_target = target
+            logger.info("step target (auto): %.3f s, longest step %.3f s (projections measured at %.0f GFLOP/s)",
+                        target, longest, 1e-9 / self.timer.seconds_per_flop)
 
     def _auto_step_target(self) -> tuple[float, float]:
         """The "auto" (target, longest step): a fixed number of prompt tokens' projections at the

@@ -46,7 +46,8 @@ def _greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-def test_scheduler_follows_the_rate_its_timer_measures(tiny_ckpt):
+def test_scheduler_follows_the_rate_its_timer_measures(tiny_ckpt, caplog):
+    caplog.set_level("INFO", logger="hybridkv.engine.scheduler")
     ckpt = tiny_ckpt("llama")
     eng = LLMEngine(EngineConfig(model=ckpt, max_model_len=512, target_step_seconds="auto"))
     sched = eng.scheduler
@@ -63,6 +64,7 @@ def test_scheduler_follows_the_rate_its_timer_measures(tiny_ckpt):
         for o in eng.step():
             outs[o.request_id] = o.outputs[0].token_ids
         assert (sched.gaps.target_seconds, sched.gaps.max_seconds) == pytest.approx(expected)
+        assert f"step target (auto): {expected[0]:.3f} s" in caplog.text, "a moved target is logged"
     while eng.has_unfinished_requests():
         for o in eng.step():
             outs[o.request_id] = o.outputs[0].token_ids
