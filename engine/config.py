@@ -45,8 +45,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None = max(2048, max_model_len)
     # While requests decode, size prefill chunks so a step's estimated time stays under this
     # (seconds): a long prompt cannot freeze running streams. None = the token budget alone
-    # (offline default, for throughput); "auto" (`hybridkv serve`'s default) = the time of ~160
-    # prompt tokens' projections on this machine, as the scheduler measures it (engine/step_target.py).
+    # (offline default, for throughput); "auto" (`hybridkv serve`'s default) = the time of ~140
+    # prompt tokens on this machine, at the rate the scheduler measures (engine/step_target.py).
     target_step_seconds: float | str | None = None
     # With a target: the longest a step may be planned while requests decode (and the bound on
     # steps while streamed prompts wait for first tokens with nothing decoding). Above the target,

@@ -293,13 +293,14 @@ class Scheduler:
         self.gaps.retarget(target, longest)
         if abs(target - self._logged_target) > 0.1 * self._logged_target:
             self._logged_target = target
-            logger.info("step target (auto): %.3f s, longest step %.3f s (projections measured at %.0f GFLOP/s)",
-                        target, longest, 1e-9 / self.timer.seconds_per_flop)
+            logger.info("step target (auto): %.3f s, longest step %.3f s (steps with prefill ran at %.0f GFLOP/s)",
+                        target, longest, 1e-9 / self.timer.average_seconds_per_flop)
 
     def _auto_step_target(self) -> tuple[float, float]:
-        """The "auto" (target, longest step): a fixed number of prompt tokens' projections at the
+        """The "auto" (target, longest step): a fixed number of prompt tokens at the average
         rate the timer has measured (engine/step_target.py)."""
-        return auto_step_target(self.timer.seconds_per_flop * self.step_cost.flops_per_token, self.config.max_step_seconds)
+        per_token = self.timer.average_seconds_per_flop * self.step_cost.flops_per_token
+        return auto_step_target(per_token, self.config.max_step_seconds)
 
     def _price_chunk(self, start: int, n: int, total: int, out: SchedulerOutput) -> int:
         """How many of n prefill tokens from `start` (of `total` known) fit this step; charges

@@ -8,31 +8,35 @@ in / 64 out, concurrency 16, demo model, 2-core Zen 4; benchmarks/README.md, twe
 twenty-fourth sessions) the old fixed 0.25 s left TPOT at vLLM-CPU's (float32 1.02x, bf16
 0.97x); the targets that beat vLLM on TTFT and TPOT at once were ~0.16-0.2 s in float32 and
 ~0.09-0.12 s in bfloat16, while 0.14 s (float32) and 0.07 s (bf16) let first tokens wait longer
-than vLLM's. Both good ranges are the time of about TOKENS_PER_TARGET prompt tokens' projections
-(~1.06 ms a token in float32, ~0.55 ms in bf16): the load is mostly prefill, and what a step can
-carry beside its decodes without queueing prompts is an amount of prefill work, not of time.
-With "auto" (0.18 s float32, 0.095 s bf16 there), beside vLLM in one sitting: float32 1.28x its
-requests/s, 0.65x its TTFT, 0.82x its TPOT; bf16 1.25x, 0.73x, 0.79x.
+than vLLM's. Both good ranges are the time of about TOKENS_PER_TARGET prompt tokens at the
+average rate of the steps that carry prefill there (~1.17 ms a token in float32, ~0.73 ms in
+bf16): the load is mostly prefill, and what a step can carry beside its decodes without
+queueing prompts is an amount of prefill work, not of time.
 
 So "auto" takes
 
-    target  = TOKENS_PER_TARGET x (seconds per FLOP x FLOPs per prompt token), within
+    target  = TOKENS_PER_TARGET x (average seconds per FLOP x FLOPs per prompt token), within
               [MIN_TARGET_SECONDS, MAX_TARGET_SECONDS]
     longest = LONGEST_PER_TARGET x target, at most MAX_LONGEST_SECONDS
 
-with the seconds per FLOP the scheduler's StepTimer learns from the prefill steps it runs, so it
-follows the machine (before the first measured prefill: the timer's deliberately slow first rate,
-20 GFLOP/s, which puts the demo model at the ceiling). Two normalisers that were
-tried first, and why not: a multiple of the live decode batch's time shrinks when prompts queue
-(fewer streams decode), which shrinks chunks and queues more prompts (in process: throughput
--9%, TTFT x2-3); a multiple of a lone decode step timed at start-up is a memory-bound time, and
-this VM's memory speed moved it 12-23 ms (float32) between engines built a minute apart, while
-prefill is compute-bound.
+with the average seconds per FLOP of the last ~30 steps that computed prefill, everything in them
+included, as the scheduler's StepTimer measures it (before the first one: the timer's
+deliberately slow first rate, 20 GFLOP/s, which puts the demo model at the ceiling). A smaller
+target raises the share of decodes and step overhead in each step, which slows that average and
+raises the target again: the rule steadies itself.
+
+Normalisers tried first, and why not: a multiple of the live decode batch's time shrinks when
+prompts queue (fewer streams decode), which shrinks chunks and queues more prompts (in process:
+throughput -9%, TTFT x2-3); a multiple of a lone decode step timed at start-up is a memory-bound
+time, and this VM's memory speed moved it 12-23 ms (float32) between engines built a minute
+apart, while prefill is compute-bound; the timer's fitted marginal rate (what prices a chunk)
+trades off against its overhead term and swung 160-370 GFLOP/s within one float32 run, moving
+the target 0.09-0.22 s.
 """
 from __future__ import annotations
 
 STEP_TARGET_AUTO = "auto"
-TOKENS_PER_TARGET = 160
+TOKENS_PER_TARGET = 140
 # max_step_seconds / target in the measured settings (0.16 / 0.3 float32, 0.09 / 0.17 bf16).
 LONGEST_PER_TARGET = 1.9
 # The old fixed default: a model or machine whose prefill is slower keeps it (gap_budget's

@@ -48,6 +48,13 @@ class StepTimer:
     forgetting: float = 0.9  # weight kept by older samples per new one (~10 steps of memory)
     min_sample_flops: float = 1e8  # steps cheaper than this say little about compute speed
     samples: int = 0
+    # The average rate (seconds / FLOPs of whole steps, overhead and reads included) over about
+    # 1 / (1 - average_forgetting) recent samples: what the "auto" step target scales by
+    # (engine/step_target.py). The fitted marginal rate is the right one for pricing a chunk, but
+    # it trades off against the overhead term and swung 160-370 GFLOP/s in one float32 run on a
+    # 224 GFLOP/s machine; the average stayed within 175-188.
+    average_forgetting: float = 0.97
+    _average: list[float] = field(default_factory=lambda: [0.0, 0.0], repr=False)  # seconds, GFLOP
     # Exponentially weighted sums of x x^T and x t for x = (1, GFLOP, Greads).
     _xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)], repr=False)
     _xt: list[float] = field(default_factory=lambda: [0.0] * 3, repr=False)
@@ -61,6 +68,13 @@ class StepTimer:
         return self.overhead_seconds + self.seconds_per_flop * flops + self.seconds_per_read * reads
 
     @property
+    def average_seconds_per_flop(self) -> float:
+        """Seconds per FLOP of recent steps that computed prefill, all their time included; the
+        first (pessimistic) rate until one is measured."""
+        seconds, gflops = self._average
+        return seconds / gflops / 1e9 if gflops > 0 else self.seconds_per_flop
+
+    @property
     def budget_flops(self) -> float:
         """FLOPs (with no reads) a step may do and still finish within the target."""
         return max(0.0, self.target_seconds - self.overhead_seconds) / self.seconds_per_flop
@@ -68,6 +82,8 @@ class StepTimer:
     def observe(self, flops: float, seconds: float, computed_prefill: bool, reads: float = 0.0) -> None:
         if not computed_prefill or flops < self.min_sample_flops or seconds <= 0:
             return
+        a = self.average_forgetting
+        self._average = [a * self._average[0] + seconds, a * self._average[1] + flops / 1e9]
         g = self.forgetting
         x = (1.0, flops / 1e9, reads / 1e9)  # giga-units keep the sums well scaled
         for i in range(3):

@@ -14,8 +14,8 @@ CLI_EXCLUDED_LLM_KWARGS = frozenset({"allow_pickle_weights"})
 
 DEFAULT_ATTENTION_BACKEND = "auto"
 # A server's streams should not freeze behind someone's long prompt: a step's target time,
-# "auto" = the time ~160 prompt tokens' projections take on this machine (as the scheduler
-# measures it), within 0.05-0.25 s, with the longest step 1.9x that, at most 0.4 s under issue
+# "auto" = the time ~140 prompt tokens take on this machine (at the rate the scheduler
+# measures), within 0.05-0.25 s, with the longest step 1.9x that, at most 0.4 s under issue
 # 9's 0.5 s p99 gap bound (engine/step_target.py).
 SERVE_TARGET_STEP_SECONDS = "auto"
 
@@ -44,7 +44,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--target-step-seconds", type=step_target, default=None,
                    help="while requests decode, size prefill chunks so a step stays under this many seconds "
-                        "on average; 'auto' = the time of ~160 prompt tokens' projections on this machine, "
+                        "on average; 'auto' = the time of ~140 prompt tokens on this machine, "
                         "measured as it runs "
                         f"(default: off for generate, {SERVE_TARGET_STEP_SECONDS} for serve; 0 = off)")
     p.add_argument("--max-step-seconds", type=float, default=None,
