@@ -49,7 +49,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     policy: str = "fcfs"
-    target_step_seconds: float | str | None = None  # None: the token budget alone sizes prefill chunks; "auto": engine/step_target.py
+    # None: the token budget alone sizes prefill chunks; "auto": engine/step_target.py
+    target_step_seconds: float | str | None = None
     # The longest step planned while streams decode (engine/gap_budget.py); None: the target, so
     # every step is held to it. Above it, time steps leave under the target buys longer prefill steps.
     max_step_seconds: float | None = None
@@ -119,7 +120,7 @@ class Scheduler:
         if config.target_step_seconds is not None:
             if step_cost is None:
                 raise ValueError("a target_step_seconds needs the model's step_cost to price chunks")
-            if self.auto_target:  # follows the timer's rate: its first, pessimistic one until prefills are measured
+            if self.auto_target:  # follows the timer's average rate (its first, slow one until measured)
                 self.timer = StepTimer(MAX_TARGET_SECONDS)
                 self.gaps = GapBudget(*self._auto_step_target())
                 self._logged_target = self.gaps.target_seconds

@@ -51,7 +51,7 @@ class StepTimer:
     # The average rate (seconds / FLOPs of whole steps, overhead and reads included) over about
     # 1 / (1 - average_forgetting) recent samples: what the "auto" step target scales by
     # (engine/step_target.py). The fitted marginal rate is the right one for pricing a chunk, but
-    # it trades off against the overhead term and swung 160-370 GFLOP/s in one float32 run on a
+    # it trades off against the overhead term and swung 157-374 GFLOP/s in one float32 run on a
     # 224 GFLOP/s machine; the average stayed within 175-188.
     average_forgetting: float = 0.97
     _average: list[float] = field(default_factory=lambda: [0.0, 0.0], repr=False)  # seconds, GFLOP
