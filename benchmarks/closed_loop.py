@@ -129,11 +129,11 @@ def main(argv=None) -> int:
     run(llm, prompts[args.num_prompts:], args.output_len, args.concurrency, "warm")
     r = run(llm, prompts[: args.num_prompts], args.output_len, args.concurrency, "req", args.stagger)
     budget = llm.engine.config.max_num_batched_tokens or "engine default"
-    sched = llm.engine.scheduler.config  # the target in force ("auto" resolved)
+    gaps = llm.engine.scheduler.gaps  # the target in force at the end ("auto" follows the machine)
+    target = f"{gaps.target_seconds:.3f} s, longest step {gaps.max_seconds:.3f} s" if gaps else "off"
     print(f"{args.num_prompts} requests of {args.input_len} in / {args.output_len} out, concurrency "
-          f"{args.concurrency}; step target {sched.target_step_seconds or 'off'}"
-          f"{' (auto)' if args.target_step_seconds == 'auto' else ''}, longest step "
-          f"{sched.max_step_seconds or sched.target_step_seconds or 'off'}, max_num_batched_tokens {budget}; "
+          f"{args.concurrency}; step target {target}{' (auto)' if args.target_step_seconds == 'auto' else ''}, "
+          f"max_num_batched_tokens {budget}; "
           f"first wave {'staggered over ' + format(args.stagger, 'g') + ' s' if args.stagger else 'all at once'}")
     print(f"  duration {r['duration']:.1f} s, {r['req_s']:.3f} req/s, mean TTFT {r['ttft']:.2f} s, "
           f"mean TPOT {r['tpot'] * 1e3:.0f} ms")
