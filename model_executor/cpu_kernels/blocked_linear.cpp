@@ -141,6 +141,50 @@ const float* gate_up_bias(const c10::optional<torch::Tensor>& bias, int64_t N, c
   return bias->data_ptr<float>();
 }
 
+// A linear call's checked operands: x made contiguous (held here so the pointers stay valid), its
+// M and K, the packed weight's block count, and the raw pointers the tiles read (T is float, or
+// uint16_t for bfloat16).
+template <typename T>
+struct Operands {
+  torch::Tensor x;
+  int64_t M, K, blocks;
+  const T* xp;
+  const T* w;
+};
+
+// x [M, K] float32 and a pack_blocked_linear weight [blocks, K, 16] of the same K.
+Operands<float> float_operands(const torch::Tensor& x, const torch::Tensor& packed, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, ": x must be [M, K] float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+                  packed.size(2) == kBlockCols && packed.size(1) == x.size(1),
+              name, ": packed must be a pack_blocked_linear weight of x's K");
+  auto xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  return {xc, x.size(0), x.size(1), packed.size(0), xp, packed.data_ptr<float>()};
+}
+
+// x [M, K] bfloat16 and a pack_interleaved_linear_bf16 weight [blocks, K * 16] of the same K.
+Operands<uint16_t> bf16_operands(const torch::Tensor& x, const torch::Tensor& packed, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, name, ": x must be [M, K] bfloat16");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(1) == x.size(1) * kBlockCols,
+              name, ": packed must be a pack_interleaved_linear_bf16 weight of x's K");
+  auto xc = x.contiguous();
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  return {xc, x.size(0), x.size(1), packed.size(0), xp,
+          reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>())};
+}
+
+// The bias of a plain linear of N outputs over `blocks` column blocks (float32 padded to whole
+// blocks, zero past N), or nullptr; also checks that N fills the last block at least in part.
+const float* block_bias(const c10::optional<torch::Tensor>& bias, int64_t N, int64_t blocks, const char* name) {
+  TORCH_CHECK(N > (blocks - 1) * kBlockCols && N <= blocks * kBlockCols, name, ": N does not match the blocks");
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == blocks * kBlockCols,
+              name, ": bias must be float32 padded to whole blocks");
+  return bias->data_ptr<float>();
+}
+
 }  // namespace
 
 // W [N, K] float32 -> [ceil(N / 16), K, 16], zero-padded past N.
@@ -162,27 +206,15 @@ torch::Tensor pack_blocked_linear(torch::Tensor weight) {
 // x [M, K] float32 against a pack_blocked_linear weight of N output columns; bias, when given,
 // float32 with blocks * 16 entries (zero past N). Returns [M, N].
 torch::Tensor blocked_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "blocked_linear: x must be [M, K] float32");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
-                  packed.size(2) == kBlockCols && packed.size(1) == x.size(1),
-              "blocked_linear: packed must be a pack_blocked_linear weight of x's K");
-  const int64_t blocks = packed.size(0), K = x.size(1), M = x.size(0);
-  TORCH_CHECK(N > (blocks - 1) * kBlockCols && N <= blocks * kBlockCols, "blocked_linear: N does not match the blocks");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == blocks * kBlockCols,
-                "blocked_linear: bias must be float32 padded to whole blocks");
-    b = bias->data_ptr<float>();
-  }
-  const auto xc = x.contiguous();
+  const auto op = float_operands(x, packed, "blocked_linear");
+  const int64_t K = op.K, M = op.M;
+  const float* b = block_bias(bias, N, op.blocks, "blocked_linear");
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
-  const float* xp = xc.data_ptr<float>();
-  const float* w = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t stride = K * kBlockCols;  // floats per block
   for_each_item(
-      xp, M, K, w, blocks, yp, N,
+      op.xp, M, K, op.w, op.blocks, yp, N,
       [&](const float* x, int64_t mr, const float* wb, float* yr, int64_t n0, int64_t cols) {
         rows<FloatTile<kCB>>(x, mr, K, wb, stride, b, yr, N, n0, cols);
       },
@@ -274,20 +306,16 @@ bool blocked_silu_mul_available() {
 torch::Tensor blocked_linear_silu_mul(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                                       int64_t N) {
   TORCH_CHECK(blocked_silu_mul_available(), "blocked_linear_silu_mul needs an AVX-512 build");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "blocked_linear_silu_mul: x must be [M, K] float32");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
-                  packed.size(2) == kBlockCols && packed.size(1) == x.size(1),
-              "blocked_linear_silu_mul: packed must be a pack_blocked_linear weight of x's K");
-  const int64_t blocks = packed.size(0), K = x.size(1), M = x.size(0), I = N / 2;
+  const auto op = float_operands(x, packed, "blocked_linear_silu_mul");
+  const int64_t blocks = op.blocks, K = op.K, M = op.M, I = N / 2;
   TORCH_CHECK(N % (2 * kBlockCols) == 0 && blocks * kBlockCols == N,
               "blocked_linear_silu_mul: N must be twice a multiple of 16 and match the blocks");
   const float* b = gate_up_bias(bias, N, "blocked_linear_silu_mul");
-  const auto xc = x.contiguous();
   auto y = torch::empty({M, I}, x.options());
 #if defined(__AVX512F__)
   if (M == 0) return y;
-  const float* xp = xc.data_ptr<float>();
-  const float* w = packed.data_ptr<float>();
+  const float* xp = op.xp;
+  const float* w = op.w;
   float* yp = y.data_ptr<float>();
   const int64_t stride = K * kBlockCols, half = blocks / 2;
   const float* bias_up = b == nullptr ? nullptr : b + I;
@@ -474,25 +502,14 @@ torch::Tensor pack_interleaved_linear_bf16(torch::Tensor weight) {
 // given, float32 with blocks * 16 entries (zero past N). Returns [M, N] bfloat16. Needs AVX512-BF16.
 torch::Tensor blocked_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N) {
   TORCH_CHECK(hybridkv_cpu::cpu_has_avx512_bf16(), "blocked_linear_bf16: this CPU has no AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "blocked_linear_bf16: x must be [M, K] bfloat16");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(1) == x.size(1) * kBlockCols,
-              "blocked_linear_bf16: packed must be a pack_interleaved_linear_bf16 weight of x's K");
-  const int64_t blocks = packed.size(0), K = x.size(1), M = x.size(0);
-  TORCH_CHECK(N > (blocks - 1) * kBlockCols && N <= blocks * kBlockCols,
-              "blocked_linear_bf16: N does not match the blocks");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == blocks * kBlockCols,
-                "blocked_linear_bf16: bias must be float32 padded to whole blocks");
-    b = bias->data_ptr<float>();
-  }
-  const auto xc = x.contiguous();
+  const auto op = bf16_operands(x, packed, "blocked_linear_bf16");
+  const int64_t blocks = op.blocks, K = op.K, M = op.M;
+  const float* b = block_bias(bias, N, blocks, "blocked_linear_bf16");
   auto y = torch::empty({M, N}, x.options());
 #if defined(__AVX512F__)
   if (M == 0) return y;
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const uint16_t* xp = op.xp;
+  const uint16_t* w = op.w;
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t stride = K * kBlockCols;  // elements per block
   for_each_item(
@@ -524,21 +541,16 @@ torch::Tensor blocked_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::op
 torch::Tensor blocked_linear_silu_mul_bf16(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                                            int64_t N) {
   TORCH_CHECK(hybridkv_cpu::cpu_has_avx512_bf16(), "blocked_linear_silu_mul_bf16: this CPU has no AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
-              "blocked_linear_silu_mul_bf16: x must be [M, K] bfloat16");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(1) == x.size(1) * kBlockCols,
-              "blocked_linear_silu_mul_bf16: packed must be a pack_interleaved_linear_bf16 weight of x's K");
-  const int64_t blocks = packed.size(0), K = x.size(1), M = x.size(0), I = N / 2;
+  const auto op = bf16_operands(x, packed, "blocked_linear_silu_mul_bf16");
+  const int64_t blocks = op.blocks, K = op.K, M = op.M, I = N / 2;
   TORCH_CHECK(N % (2 * kCB * kBlockCols) == 0 && blocks * kBlockCols == N,
               "blocked_linear_silu_mul_bf16: N must be twice a multiple of 48 and match the blocks");
   const float* b = gate_up_bias(bias, N, "blocked_linear_silu_mul_bf16");
-  const auto xc = x.contiguous();
   auto y = torch::empty({M, I}, x.options());
 #if defined(__AVX512F__)
   if (M == 0) return y;
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const uint16_t* xp = op.xp;
+  const uint16_t* w = op.w;
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t stride = K * kBlockCols;  // elements per block
   const int64_t half = blocks / 2;

@@ -207,6 +207,8 @@ def test_fused_silu_refuses_a_projection_it_cannot_split():
     packed = ops.pack_blocked_linear(torch.randn(48, 64))
     with pytest.raises(RuntimeError, match="N must be twice a multiple of 16"):
         ops.blocked_linear_silu_mul(torch.randn(3, 64), packed, None, 48)
+    with pytest.raises(RuntimeError, match="blocked_linear_silu_mul: x must be"):  # the error names the kernel
+        ops.blocked_linear_silu_mul(torch.randn(3, 64).double(), packed, None, 48)
 
 
 @needs_fused_silu
@@ -243,6 +245,8 @@ def test_fused_silu_bf16_refuses_halves_that_are_not_whole_groups():
     packed = ops.pack_interleaved_linear_bf16(torch.randn(64, 64).bfloat16())  # halves of 2 blocks
     with pytest.raises(RuntimeError, match="twice a multiple of 48"):
         ops.blocked_linear_silu_mul_bf16(torch.randn(3, 64).bfloat16(), packed, None, 64)
+    with pytest.raises(RuntimeError, match="blocked_linear_silu_mul_bf16: packed must be"):  # x's K is 32
+        ops.blocked_linear_silu_mul_bf16(torch.randn(3, 32).bfloat16(), packed, None, 64)
 
 
 @needs_bf16
