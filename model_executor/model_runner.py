@@ -209,8 +209,10 @@ class ModelRunner:
         # pages (model_executor/kv_loads.py); whatever nobody waited for completes after.
         loads = self.host_cache.take_loads() if self.host_cache is not None else None
         meta.kv_loads = loads
+        sampled_rows = self.sampled_rows(items)
+        output_rows = self._output_rows(sampled_rows, items, ids)
         try:
-            hidden = self.model(ids, positions, meta)
+            hidden = self.model(ids, positions, meta, output_rows=output_rows)
         finally:
             if loads is not None:
                 self.host_cache.loads_done(loads)
@@ -223,19 +225,19 @@ class ModelRunner:
                 row += s.num_new_tokens
 
         out = RunnerOutput()
-        rows, sampling = [], []
-        row = 0
-        for s in items:
-            if s.wants_prompt_logprobs:
-                self._prompt_logprobs(s, hidden[row : row + s.num_new_tokens], out)
-            if s.samples:
-                rows.append(row + s.num_new_tokens - 1)
-                sampling.append(s)
-            row += s.num_new_tokens
+        if output_rows is None:  # every row came back
+            row = 0
+            for s in items:
+                if s.wants_prompt_logprobs:
+                    self._prompt_logprobs(s, hidden[row : row + s.num_new_tokens], out)
+                row += s.num_new_tokens
+            if len(sampled_rows) != ids.shape[0]:
+                hidden = hidden[sampled_rows]
+        sampling = [s for s in items if s.samples]
         if not sampling:
             return out
         # The sampler works on the host (per-request torch.Generators are CPU generators).
-        logits = self.model.compute_logits(hidden[rows]).float().cpu()
+        logits = self.model.compute_logits(hidden).float().cpu()
         res = self.sampler(
             logits,
             SamplingBatch(
@@ -252,6 +254,26 @@ class ModelRunner:
                 res.top_logprobs[i],
             )
         return out
+
+    @staticmethod
+    def sampled_rows(items: list[ScheduledSequence]) -> list[int]:
+        """The rows whose logits are sampled: each sampling sequence's last row of the step."""
+        rows, row = [], 0
+        for s in items:
+            row += s.num_new_tokens
+            if s.samples:
+                rows.append(row - 1)
+        return rows
+
+    def _output_rows(self, sampled_rows: list[int], items: list[ScheduledSequence],
+                     ids: torch.Tensor) -> torch.Tensor | None:
+        """The rows the model must return: only the sampled ones, unless a step reads more
+        (prompt logprobs, the logits-capture hook) or every row is sampled (a decode step):
+        None (all rows) then."""
+        if (len(sampled_rows) == ids.shape[0] or self.captured_logits is not None
+                or any(s.wants_prompt_logprobs for s in items)):
+            return None
+        return torch.tensor(sampled_rows, dtype=torch.long, device=ids.device)
 
     def check_no_null_page_writes(self, meta) -> None:
         """Debug check: the null page (page NULL_PAGE, slots [0, slots_per_page) of a space) is

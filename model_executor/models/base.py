@@ -21,7 +21,8 @@ class CausalLM(nn.Module):
     """A decoder the model runner can drive.
 
     Every model implements:
-      forward(input_ids [T], positions [T], meta) -> hidden [T, H] for a flat batch of tokens
+      forward(input_ids [T], positions [T], meta, output_rows=None) -> hidden [T, H] for a flat
+        batch of tokens, or [len(output_rows), H] of those rows (all T still write their K/V)
       compute_logits(hidden [N, H]) -> [N, vocab]
       space_specs(dtype) -> the block spaces this model's layers read and write
       load_weights(iterable of (HF name, tensor))

@@ -47,9 +47,12 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, meta: AttentionMetadata,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
         # .forward, not __call__, as in llama.py (no hooks; the per-call checks show in decode)
-        attn = self.self_attn.forward(rope, self.input_layernorm.forward(hidden), meta)
+        attn = self.self_attn.forward(rope, self.input_layernorm.forward(hidden), meta, output_rows)
+        if output_rows is not None:
+            hidden = hidden[output_rows]
         hidden = hidden + self.post_attention_layernorm.forward(attn)
         mlp = self.mlp.forward(self.pre_feedforward_layernorm.forward(hidden))
         return hidden + self.post_feedforward_layernorm.forward(mlp)
@@ -99,13 +102,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         # Gemma-3 always names each layer's type; sliding layers share config.sliding_window.
         return [config.sliding_window if t == SLIDING else None for t in config.layer_types]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """As LlamaForCausalLM.forward: the last layer runs past its attention on output_rows only."""
         hidden = self.embed_tokens(input_ids)
         # transformers rounds the scale to the weight dtype before multiplying (matters in bf16).
         hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         ropes = {t: emb.lookup(positions, hidden.dtype) for t, emb in self.rotary_emb.items()}
-        for layer in self.layers:
-            hidden = layer.forward(ropes[layer.layer_type], hidden, meta)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            hidden = layer.forward(ropes[layer.layer_type], hidden, meta, output_rows if i == last else None)
         return self.norm.forward(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

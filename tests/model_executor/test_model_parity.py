@@ -82,3 +82,41 @@ def test_tied_embeddings_and_sharded_checkpoints_load_exactly(tiny_ckpt, variant
     with torch.no_grad():
         ref = hf_model(path)(torch.tensor([(prompt + generated)[:-1]])).logits[0]
     torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma3_text"])
+def test_the_last_layer_on_the_sampled_rows_alone_keeps_transformers_logprobs(tiny_ckpt, arch, monkeypatch):
+    """Without the capture hook, a step's last layer runs its output projection and MLP on the
+    sampled rows only (output_rows; every row still writes its K/V). The sampled tokens' logprobs
+    and the top-5 still equal transformers' log-softmax at every generated position, through
+    prompt chunks that sample nothing (output_rows empty), chunks mixed with decodes and the
+    decodes themselves."""
+    path = tiny_ckpt(arch)
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=16, max_model_len=256)
+    model = llm.engine.runner.model
+    seen = []  # (rows in the step, rows returned) of every forward
+    forward = model.forward
+
+    def spy(ids, positions, meta, output_rows=None):
+        hidden = forward(ids, positions, meta, output_rows=output_rows)
+        seen.append((ids.shape[0], hidden.shape[0]))
+        assert hidden.shape[0] == (ids.shape[0] if output_rows is None else output_rows.numel())
+        return hidden
+
+    monkeypatch.setattr(model, "forward", spy)
+    g = torch.Generator().manual_seed(3)
+    vocab = llm.engine.runner.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (40, 9, 30)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5), use_tqdm=False)
+    assert any(r == 0 for _, r in seen), "some chunk sampled nothing"
+    assert any(0 < r < n for n, r in seen), "some step returned part of its rows"
+    hf = hf_model(path)
+    for p, o in zip(prompts, outs):
+        out = o.outputs[0]
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([(p + out.token_ids)[:-1]])).logits[0, len(p) - 1 :], -1)
+        for i, (token, entries) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert token == int(ref[i].argmax())
+            for t, lp in entries.items():
+                assert abs(lp.logprob - float(ref[i, t])) < ATOL, (i, t)

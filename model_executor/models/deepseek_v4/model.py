@@ -201,11 +201,16 @@ class DeepseekV4ForCausalLM(CausalLM):
     def attention_layers(self) -> list[V4Attention]:
         return [layer.attn for layer in self.layers]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: HybridAttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: HybridAttentionMetadata,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Every row through every layer (the last layer's compression state and indexer keys
+        need all of them); `output_rows` selects the rows returned, before the head's mixing."""
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, positions, meta, input_ids)
+        if output_rows is not None:
+            streams = streams[output_rows]
         return self.norm(self.hc_head(streams))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
