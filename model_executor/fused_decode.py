@@ -1,15 +1,18 @@
-"""A Llama-family model's decoder layers for a step of decodes only, in one C++ call.
+"""A Llama-family model's decode step, embedding to final norm, in one C++ call.
 
 At decode batch sizes a layer's kernels are short and the Python between them is not: at one row
 the demo model spent ~110 us a layer in the forward methods, the linears' wrappers and the views,
 next to ~210 us of weight streaming (2-core Zen 4, bf16: 3.3 of a token's 12.5 ms). `FusedDecode`
 hands the whole stack to cpu_kernels/decode_layers.cpp, which calls the same kernels in the same
 order on the same tensors, so a step's outputs are bit-identical to the layer-by-layer path (the
-tests hold it to that), and the layers' Python runs once per step instead of once per layer.
+tests hold it to that), and the layers' Python runs once per step instead of once per layer. The embedding lookup and
+the final norm run in the same call: at one row each small op dispatched from Python after the
+weight stream cost ~50-100 us (2-core Zen 4), the Python work of a whole layer.
 
 It takes a step only where the layer-by-layer path would run exactly those kernels:
 - CPU kernels built (fused ops, blocked linear, paged attention) and HYBRIDKV_FUSED_DECODE not 0;
 - every layer a Llama decoder layer without q/k norms, SiLU MLP, plain RMSNorm of one eps;
+  a plain final RMSNorm and an nn.Embedding, all in the model's dtype;
 - every projection on the blocked linear (bf16: PackedLinearWeight's vdpbf16ps path on CPUs with
   AVX512-BF16; float32: BlockedLinearWeight), and at most as many rows as those take;
 - attention on TorchNativeAttention with its paged decode kernel and K/V writer;
@@ -27,7 +30,7 @@ from hybridkv.attention_backends.cpu_kernels.build import switch_on
 from hybridkv.attention_backends.metadata import AttentionMetadata
 from hybridkv.attention_backends.torch_native import TorchNativeAttention
 from hybridkv.model_executor.cpu_kernels import blocked_linear_ops, decode_layers_ops, fused_ops
-from hybridkv.model_executor.layers import BlockedLinearWeight, PackedLinearWeight, packed_forward
+from hybridkv.model_executor.layers import BlockedLinearWeight, PackedLinearWeight, RMSNorm, packed_forward
 
 ENV_SWITCH = "HYBRIDKV_FUSED_DECODE"
 _NO_BIAS = torch.empty(0)  # decode_layers.cpp's "no bias" (a list of tensors cannot hold None)
@@ -41,8 +44,8 @@ class _Bound:
 
 
 class FusedDecode:
-    """Call it like the layer loop: (hidden, residual) = fused(hidden, rope, meta), when
-    `takes(hidden, meta)`. Build it with `for_model` after the weights are packed."""
+    """The model's forward for a step `takes(input_ids, meta)` accepts: final hidden states =
+    fused(input_ids, rope, meta). Build it with `for_model` after the weights are packed."""
 
     def __init__(self, model, dtype: torch.dtype, linear_kernel: str, max_rows: int | None) -> None:
         attn0 = model.layers[0].self_attn
@@ -50,6 +53,8 @@ class FusedDecode:
         self.dtype, self.max_rows = dtype, max_rows
         self.heads, self.kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
         self.scale, self.eps = float(attn0.scale), float(model.layers[0].input_layernorm.eps)
+        self.embedding = model.embed_tokens.weight.detach()
+        self.final_norm, self.final_eps = model.norm.weight.detach(), float(model.norm.eps)
         self.op = decode_layers_ops().decode_layers
         self.kernels = dict(fused_ops().kernel_addresses())
         self.kernels.update(load_paged_attention_module().kernel_addresses())
@@ -79,14 +84,17 @@ class FusedDecode:
             return None
         if None in (fused_ops(), blocked_linear_ops(), decode_layers_ops(), load_paged_attention_module()):
             return None
-        kinds, limits, dtype, shape = set(), [], None, None
+        embed, final = getattr(model, "embed_tokens", None), getattr(model, "norm", None)
+        if (not isinstance(embed, torch.nn.Embedding) or not isinstance(final, RMSNorm) or final.unit_offset
+                or final.weight.dtype != embed.weight.dtype):
+            return None
+        kinds, limits, dtype, shape = set(), [], embed.weight.dtype, None
         for layer in model.layers:
             a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
             if a is None or m is None or None in norms or getattr(a, "q_norm", True) is not None:
                 return None
             if shape is None:  # what every layer must share with the first
-                dtype = norms[0].weight.dtype
                 shape = (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, norms[0].eps)
             if (dtype not in (torch.bfloat16, torch.float32) or not getattr(m, "is_silu", False)
                     or any(n.unit_offset or n.eps != shape[4] or n.weight.dtype != dtype for n in norms)
@@ -109,11 +117,11 @@ class FusedDecode:
             return None
         return cls(model, dtype, kinds.pop(), min(limits) if limits else None)
 
-    def takes(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def takes(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step is one the fused call runs exactly as the layers would."""
-        rows = hidden.shape[0]
-        if (meta.num_decode_tokens != rows or meta.kv_loads is not None or hidden.dtype != self.dtype
-                or not hidden.is_cpu or (self.max_rows is not None and rows > self.max_rows)):
+        rows = input_ids.shape[0]
+        if (meta.num_decode_tokens != rows or meta.kv_loads is not None or input_ids.dtype != torch.int64
+                or not input_ids.is_cpu or (self.max_rows is not None and rows > self.max_rows)):
             return False
         for sm in meta.spaces.values():
             if sm.slot_mapping.dtype != torch.int64 or not sm.slot_mapping.is_contiguous():
@@ -138,9 +146,10 @@ class FusedDecode:
         self._bound = _Bound(attn0.k_cache, caches)
         return self._bound
 
-    def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layers' (hidden, residual) for a step `takes` accepted (it bound the caches)."""
+    def __call__(self, input_ids: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """The final hidden states for a step `takes` accepted (it bound the caches); rope in
+        self.dtype."""
         tables, windows = [], []
         for space in self.spaces:
             sm = meta.spaces[space]
@@ -149,7 +158,6 @@ class FusedDecode:
             windows.append(-1 if sm.window is None else sm.window)
         starts, rows, positions = meta.decode_groups
         cos, sin = rope
-        hidden, residual = self.op(hidden, self.kernels, self.weights, self.out_features, self._bound.caches, tables,
-                                   windows, self.layer_space, starts, rows, positions, cos, sin, self.heads,
-                                   self.kv_heads, self.head_dim, meta.page_size, self.scale, self.eps)
-        return hidden, residual
+        return self.op(input_ids, self.embedding, self.kernels, self.weights, self.out_features, self._bound.caches,
+                       tables, windows, self.layer_space, starts, rows, positions, cos, sin, self.heads, self.kv_heads,
+                       self.head_dim, meta.page_size, self.scale, self.eps, self.final_norm, self.final_eps)

@@ -236,8 +236,9 @@ class ModelRunner:
         sampling = [s for s in items if s.samples]
         if not sampling:
             return out
-        # The sampler works on the host (per-request torch.Generators are CPU generators).
-        logits = self.model.compute_logits(hidden).float().cpu()
+        # The sampler works on the host (per-request torch.Generators are CPU generators), in
+        # float32 except for plain greedy rows, whose argmax it takes in the model's dtype.
+        logits = self.model.compute_logits(hidden).cpu()
         res = self.sampler(
             logits,
             SamplingBatch(

@@ -17,7 +17,8 @@
 //   o = paged_attention(q over the caches through the layer's block table)
 //   residual, x = add_norm(linear(o), residual)
 //   hidden = linear(silu_and_mul(linear(x)))
-// and returns (hidden, residual) of the last layer, which the model's final norm reads.
+// between the embedding lookup and the model's final norm (add_norm(hidden, residual)), which
+// run here too: at one row each small op after the weight stream cost ~50-100 us from Python.
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -54,7 +55,8 @@ enum { kInNorm, kPostNorm, kQkv, kQkvBias, kO, kOBias, kGateUp, kGateUpBias, kDo
 
 }  // namespace
 
-// hidden [T, hidden] (the embeddings) through every layer; returns {hidden, residual} of the last.
+// ids [T] (int64) through the embedding [vocab, hidden], every layer and the final norm; returns
+// the final hidden states [T, hidden].
 //   kernels:      name -> address: `linear` (the four projections' kernel) and rms_norm,
 //                 add_rms_norm, rotary, silu_and_mul, paged_attention, write_kv
 //   weights:      kWeights per layer (the enum above; packed linears, float32 padded biases or
@@ -64,15 +66,17 @@ enum { kInNorm, kPostNorm, kQkv, kQkvBias, kO, kOBias, kGateUp, kGateUpBias, kDo
 //   tables:       2 per block space (block table int32, slot mapping int64); windows: 1 per block
 //                 space (-1: none); layer_space: each layer's block space (an index into those)
 //   group_start, group_row, positions: the step's decode groups (AttentionMetadata.decode_groups)
-//   cos, sin [T, 1, D] in hidden's dtype
-std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::unordered_map<std::string, int64_t> kernels,
+//   cos, sin [T, 1, D] in the embedding's dtype
+//   final_norm, final_eps: the model's final RMSNorm (eps: the layers' norms')
+torch::Tensor decode_layers(torch::Tensor ids, torch::Tensor embedding, std::unordered_map<std::string, int64_t> kernels,
                                          std::vector<torch::Tensor> weights, std::vector<int64_t> out_features,
                                          std::vector<torch::Tensor> caches, std::vector<torch::Tensor> tables,
                                          std::vector<int64_t> windows, std::vector<int64_t> layer_space,
                                          torch::Tensor group_start,
                                          torch::Tensor group_row, torch::Tensor positions, torch::Tensor cos,
                                          torch::Tensor sin, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                                         int64_t page_size, double scale, double eps) {
+                                         int64_t page_size, double scale, double eps, torch::Tensor final_norm,
+                                         double final_eps) {
   const auto linear = kernel<Linear>(kernels, "linear");
   const auto rms_norm = kernel<RmsNorm>(kernels, "rms_norm");
   const auto add_rms_norm = kernel<AddRmsNorm>(kernels, "add_rms_norm");
@@ -82,8 +86,11 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::unordered_ma
   const auto write_kv = kernel<WriteKv>(kernels, "write_kv");
 
   const int64_t layers = static_cast<int64_t>(layer_space.size());
+  TORCH_CHECK(layers > 0, "decode_layers: no layers");
   const int64_t spaces = static_cast<int64_t>(windows.size());
-  TORCH_CHECK(hidden.dim() == 2, "decode_layers: hidden must be [T, hidden]");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "decode_layers: ids must be [T] int64");
+  TORCH_CHECK(embedding.dim() == 2, "decode_layers: the embedding must be [vocab, hidden]");
+  torch::Tensor hidden = at::embedding(embedding, ids);  // as nn.Embedding's forward
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeights * layers &&
                   static_cast<int64_t>(out_features.size()) == 4 * layers &&
                   static_cast<int64_t>(caches.size()) == 2 * layers,
@@ -121,5 +128,5 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::unordered_ma
     const auto gate_up = linear(sum_norm[1], w[kGateUp], bias_of(w[kGateUpBias]), n[2]);
     hidden = linear(silu_and_mul(gate_up), w[kDown], bias_of(w[kDownBias]), n[3]);
   }
-  return {hidden, residual};
+  return add_rms_norm(hidden, residual, final_norm, final_eps, false)[1];
 }

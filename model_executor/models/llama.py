@@ -180,16 +180,16 @@ class LlamaForCausalLM(CausalLM):
         that layer runs its output projection, MLP and the final norm on the selected rows alone:
         in a prompt chunk that is ~84% of a Llama layer's FLOPs skipped for every row but the last
         (llama.cpp does the same). Each selected row gets the kernels a batch of those rows gets."""
+        fused = self._fused_decode
+        if fused is not None and fused.takes(input_ids, meta):
+            # Embedding, layers and final norm in one C++ call: the path below's bits.
+            hidden = fused(input_ids, self.rotary_emb.lookup(positions, fused.dtype), meta)
+            return hidden if output_rows is None else hidden[output_rows]
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary_emb.lookup(positions, hidden.dtype)
-        if self._fused_decode is not None and self._fused_decode.takes(hidden, meta):
-            hidden, residual = self._fused_decode(hidden, rope, meta)  # the loop below's bits
-            if output_rows is not None:
-                hidden, residual = hidden[output_rows], residual[output_rows]
-        else:
-            last = len(self.layers) - 1
-            for i, layer in enumerate(self.layers):
-                hidden, residual = layer.forward(rope, hidden, residual, meta, output_rows if i == last else None)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer.forward(rope, hidden, residual, meta, output_rows if i == last else None)
         return self.norm.add_forward(hidden, residual)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
