@@ -176,10 +176,11 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 output_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The final hidden states of every row, or of `output_rows` only (the rows whose logits
-        the step reads). Only the last layer's K/V-producing half depends on the other rows, so
-        that layer runs its output projection, MLP and the final norm on the selected rows alone:
-        in a prompt chunk that is ~84% of a Llama layer's FLOPs skipped for every row but the last
-        (llama.cpp does the same). Each selected row gets the kernels a batch of those rows gets."""
+        the step reads). Other rows and later steps read a layer only through its K/V, and in the
+        last layer nothing after the attention feeds one, so that layer runs its output
+        projection, MLP and the final norm on the selected rows alone: in a prompt chunk, ~84% of
+        a Llama layer's FLOPs skipped for every row but the last (llama.cpp does the same). Each
+        selected row gets the kernels a batch of that many rows gets."""
         fused = self._fused_decode
         if fused is not None and fused.takes(input_ids, meta):
             # Embedding, layers and final norm in one C++ call: the path below's bits.
