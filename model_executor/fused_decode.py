@@ -11,13 +11,14 @@ weight stream cost ~50-100 us (2-core Zen 4), the Python work of a whole layer.
 
 It takes a step only where the layer-by-layer path would run exactly those kernels:
 - CPU kernels built (fused ops, blocked linear, paged attention) and HYBRIDKV_FUSED_DECODE not 0;
-- every layer a Llama decoder layer without q/k norms, SiLU MLP, plain RMSNorm of one eps;
+- every layer a Llama decoder layer (with or without Qwen3's q/k norms), SiLU MLP, plain RMSNorm
+  of one eps;
   a plain final RMSNorm and an nn.Embedding, all in the model's dtype;
 - every projection on the blocked linear (bf16: PackedLinearWeight's vdpbf16ps path on CPUs with
   AVX512-BF16; float32: BlockedLinearWeight), and at most as many rows as those take;
 - attention on TorchNativeAttention with its paged decode kernel and K/V writer;
 - a step of decodes only, with no host-tier load-backs to wait for.
-Anything else (prefill chunks, Qwen3, the AMX linear, Gemma 3, DeepSeek-V4) runs layer by layer.
+Anything else (prefill chunks, the AMX linear, Gemma 3, DeepSeek-V4) runs layer by layer.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from hybridkv.model_executor.cpu_kernels import blocked_linear_ops, decode_layer
 from hybridkv.model_executor.layers import BlockedLinearWeight, PackedLinearWeight, RMSNorm, packed_forward
 
 ENV_SWITCH = "HYBRIDKV_FUSED_DECODE"
-_NO_BIAS = torch.empty(0)  # decode_layers.cpp's "no bias" (a list of tensors cannot hold None)
+_NONE = torch.empty(0)  # decode_layers.cpp's "no bias" / "no q/k norm" (a list of tensors cannot hold None)
 
 
 @dataclass
@@ -68,8 +69,9 @@ class FusedDecode:
                 linear = packed_forward(proj)
                 packed = linear.blocked_packed if isinstance(linear, PackedLinearWeight) else linear.packed
                 bias = linear.padded_bias
-                self.weights += [packed, _NO_BIAS if bias is None else bias]
+                self.weights += [packed, _NONE if bias is None else bias]
                 self.out_features.append(linear.out_features)
+            self.weights += [_NONE, _NONE] if a.q_norm is None else [a.q_norm.weight.detach(), a.k_norm.weight.detach()]
         # Block spaces in first-use order, and each layer's index into them: a step hands the
         # kernel one block table, slot mapping and window per space, not per layer.
         self.spaces = list(dict.fromkeys(layer.self_attn.space for layer in self.layers))
@@ -92,8 +94,13 @@ class FusedDecode:
         for layer in model.layers:
             a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
-            if a is None or m is None or None in norms or getattr(a, "q_norm", True) is not None:
+            if a is None or m is None or None in norms:
                 return None
+            qk_norms = (getattr(a, "q_norm", None), getattr(a, "k_norm", None))
+            if qk_norms != (None, None):  # Qwen3's: plain RMSNorms over the head size, both there
+                if not all(isinstance(n, RMSNorm) for n in qk_norms):
+                    return None
+                norms = (*norms, *qk_norms)
             if shape is None:  # what every layer must share with the first
                 shape = (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, norms[0].eps)
             if (dtype not in (torch.bfloat16, torch.float32) or not getattr(m, "is_silu", False)

@@ -13,6 +13,7 @@
 // decides when that holds):
 //   residual, x = norm(hidden) (first layer) or add_norm(hidden, residual)
 //   qkv = linear(x); q, k = rotary(qkv[:, :q+kv]) split by heads; v = qkv[:, q+kv:]
+//     (with q/k norms, Qwen3's: q = rotary(norm(q by heads)), k = rotary(norm(k by heads)))
 //   write_kv(k, v -> the layer's caches at the step's slots)
 //   o = paged_attention(q over the caches through the layer's block table)
 //   residual, x = add_norm(linear(o), residual)
@@ -50,8 +51,8 @@ c10::optional<torch::Tensor> bias_of(const torch::Tensor& t) {
   return t.numel() > 0 ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
 
-constexpr int64_t kWeights = 10;  // per layer, in this order:
-enum { kInNorm, kPostNorm, kQkv, kQkvBias, kO, kOBias, kGateUp, kGateUpBias, kDown, kDownBias };
+constexpr int64_t kWeights = 12;  // per layer, in this order (q/k norms: empty tensors where none):
+enum { kInNorm, kPostNorm, kQkv, kQkvBias, kO, kOBias, kGateUp, kGateUpBias, kDown, kDownBias, kQNorm, kKNorm };
 
 }  // namespace
 
@@ -60,7 +61,7 @@ enum { kInNorm, kPostNorm, kQkv, kQkvBias, kO, kOBias, kGateUp, kGateUpBias, kDo
 //   kernels:      name -> address: `linear` (the four projections' kernel) and rms_norm,
 //                 add_rms_norm, rotary, silu_and_mul, paged_attention, write_kv
 //   weights:      kWeights per layer (the enum above; packed linears, float32 padded biases or
-//                 empty tensors, norm weights)
+//                 empty tensors, norm weights; the per-head q/k norms' weights or empty tensors)
 //   out_features: 4 per layer (qkv, o, gate_up, down)
 //   caches:       2 per layer (k, v: [Hkv, slots, D])
 //   tables:       2 per block space (block table int32, slot mapping int64); windows: 1 per block
@@ -117,8 +118,16 @@ torch::Tensor decode_layers(torch::Tensor ids, torch::Tensor embedding, std::uno
     }
     const auto qkv = linear(x, w[kQkv], bias_of(w[kQkvBias]), n[0]);
     const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads, head_dim});
-    const auto qk = rotary(qkv.narrow(1, 0, q_size + kv_size).view({T, heads + kv_heads, head_dim}), cos, sin);
-    const auto q = qk.narrow(1, 0, heads), k = qk.narrow(1, heads, kv_heads);
+    torch::Tensor q, k;
+    if (w[kQNorm].numel() == 0) {
+      const auto qk = rotary(qkv.narrow(1, 0, q_size + kv_size).view({T, heads + kv_heads, head_dim}), cos, sin);
+      q = qk.narrow(1, 0, heads);
+      k = qk.narrow(1, heads, kv_heads);
+    } else {
+      q = rotary(rms_norm(qkv.narrow(1, 0, q_size).view({T, heads, head_dim}), w[kQNorm], eps, false), cos, sin);
+      k = rotary(rms_norm(qkv.narrow(1, q_size, kv_size).view({T, kv_heads, head_dim}), w[kKNorm], eps, false), cos,
+                 sin);
+    }
     write_kv(k_cache, v_cache, tables[2 * sp + 1], k, v);
     const auto o = paged_attention(q, k_cache, v_cache, tables[2 * sp], group_start, group_row, positions, page_size,
                                    windows[sp], scale);

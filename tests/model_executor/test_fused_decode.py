@@ -1,6 +1,6 @@
 """fused_decode: a step of decodes runs every Llama-family layer in one C++ call and gives the
 layer-by-layer path's logits bit for bit; steps and models it cannot run exactly as the layers
-would (prefill chunks, q/k norms, the off switch) go layer by layer."""
+would (prefill chunks, Gemma 3's norms, the off switch) go layer by layer."""
 import pytest
 import torch
 
@@ -29,6 +29,7 @@ def _logits(llm: LLM, prompts: list[list[int]], max_tokens: int, fused: bool) ->
 CASES = {
     "llama": ("llama", {}),
     "qwen2 (q/k/v biases)": ("qwen2", {}),
+    "qwen3 (per-head q/k norms)": ("qwen3", {}),
     "mistral (every layer windowed)": ("mistral", {}),
     "qwen2, a full and a windowed layer (two block spaces)": (
         "qwen2", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1}),
@@ -60,9 +61,9 @@ def test_fused_decode_steps_give_the_layer_by_layer_logits_bit_for_bit(tiny_ckpt
 
 
 def test_models_and_switches_the_fused_decode_does_not_take(tiny_ckpt, monkeypatch):
-    """q/k norms (Qwen3) are not in decode_layers.cpp: layer by layer. HYBRIDKV_FUSED_DECODE=0
-    turns it off for a model it would take."""
-    assert LLM(tiny_ckpt("qwen3"), dtype="float32", max_model_len=128).engine.runner.model._fused_decode is None
+    """Gemma 3's unit-offset norms (and its sandwich norms) are not in decode_layers.cpp: layer by
+    layer. HYBRIDKV_FUSED_DECODE=0 turns it off for a model it would take."""
+    assert LLM(tiny_ckpt("gemma3_text"), dtype="float32", max_model_len=128).engine.runner.model._fused_decode is None
     llm = LLM(tiny_ckpt("llama"), dtype="float32", max_model_len=128)
     if llm.engine.runner.model._fused_decode is None:
         pytest.skip("no fused decode for float32 on this CPU")
