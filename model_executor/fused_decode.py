@@ -130,6 +130,9 @@ class FusedDecode:
         if (meta.num_decode_tokens != rows or meta.kv_loads is not None or input_ids.dtype != torch.int64
                 or not input_ids.is_cpu or (self.max_rows is not None and rows > self.max_rows)):
             return False
+        ctx = meta.context_lens
+        if ctx is None or ctx.dtype != torch.int32 or not ctx.is_contiguous():
+            return False
         for sm in meta.spaces.values():
             if sm.slot_mapping.dtype != torch.int64 or not sm.slot_mapping.is_contiguous():
                 return False
@@ -163,8 +166,7 @@ class FusedDecode:
             tables += [sm.block_table if sm.block_table.dtype == torch.int32 else sm.block_table.to(torch.int32),
                        sm.slot_mapping]
             windows.append(-1 if sm.window is None else sm.window)
-        starts, rows, positions = meta.decode_groups
         cos, sin = rope
         return self.op(input_ids, self.embedding, self.kernels, self.weights, self.out_features, self._bound.caches,
-                       tables, windows, self.layer_space, starts, rows, positions, cos, sin, self.heads, self.kv_heads,
+                       tables, windows, self.layer_space, meta.context_lens, cos, sin, self.heads, self.kv_heads,
                        self.head_dim, meta.page_size, self.scale, self.eps, self.final_norm, self.final_eps)

@@ -66,15 +66,15 @@ enum { kInNorm, kPostNorm, kQkv, kQkvBias, kO, kOBias, kGateUp, kGateUpBias, kDo
 //   caches:       2 per layer (k, v: [Hkv, slots, D])
 //   tables:       2 per block space (block table int32, slot mapping int64); windows: 1 per block
 //                 space (-1: none); layer_space: each layer's block space (an index into those)
-//   group_start, group_row, positions: the step's decode groups (AttentionMetadata.decode_groups)
+//   context_lens: [T] int32, each sequence's tokens in the cache after this step (the step's
+//                 decode groups, AttentionMetadata.decode_groups, are built from it here)
 //   cos, sin [T, 1, D] in the embedding's dtype
 //   final_norm, final_eps: the model's final RMSNorm (eps: the layers' norms')
 torch::Tensor decode_layers(torch::Tensor ids, torch::Tensor embedding, std::unordered_map<std::string, int64_t> kernels,
                                          std::vector<torch::Tensor> weights, std::vector<int64_t> out_features,
                                          std::vector<torch::Tensor> caches, std::vector<torch::Tensor> tables,
                                          std::vector<int64_t> windows, std::vector<int64_t> layer_space,
-                                         torch::Tensor group_start,
-                                         torch::Tensor group_row, torch::Tensor positions, torch::Tensor cos,
+                                         torch::Tensor context_lens, torch::Tensor cos,
                                          torch::Tensor sin, int64_t heads, int64_t kv_heads, int64_t head_dim,
                                          int64_t page_size, double scale, double eps, torch::Tensor final_norm,
                                          double final_eps) {
@@ -101,6 +101,22 @@ torch::Tensor decode_layers(torch::Tensor ids, torch::Tensor embedding, std::uno
   for (const int64_t sp : layer_space)
     TORCH_CHECK(sp >= 0 && sp < spaces, "decode_layers: a layer's block space ", sp, " is not one of ", spaces);
   const int64_t T = hidden.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  // The decodes as query groups of one row, as AttentionMetadata.decode_groups builds them: group
+  // i is row i of the block table, at position context_lens[i] - 1. (Four torch ops from Python
+  // cost ~80 us a step after the weight stream; these loops cost nothing measurable.)
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == T && context_lens.scalar_type() == at::kInt &&
+                  context_lens.is_contiguous(),
+              "decode_layers: context_lens must be [T] int32");
+  const auto int32 = context_lens.options();
+  auto group_start = torch::empty({T + 1}, int32), positions = torch::empty({T}, int32);
+  {
+    int32_t* gs = group_start.data_ptr<int32_t>();
+    int32_t* pos = positions.data_ptr<int32_t>();
+    const int32_t* ctx = context_lens.data_ptr<int32_t>();
+    for (int64_t i = 0; i <= T; ++i) gs[i] = static_cast<int32_t>(i);
+    for (int64_t i = 0; i < T; ++i) pos[i] = ctx[i] - 1;
+  }
+  const auto group_row = group_start.narrow(0, 0, T);
   torch::Tensor residual;
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = weights.data() + kWeights * l;

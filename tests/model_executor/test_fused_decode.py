@@ -79,9 +79,9 @@ def test_the_fused_kernel_refuses_lists_that_do_not_match_its_layers(tiny_ckpt):
     one = torch.zeros(1, dtype=torch.int32)
     rope = (torch.zeros(1, 1, 16), torch.zeros(1, 1, 16))
 
-    def call(weights, tables, windows, layer_space, ids=torch.zeros(1, dtype=torch.long)):
+    def call(weights, tables, windows, layer_space, ids=torch.zeros(1, dtype=torch.long), context_lens=one):
         fused.op(ids, fused.embedding, fused.kernels, weights, fused.out_features, [one] * 4, tables, windows,
-                 layer_space, one, one, one, *rope, 4, 2, 16, 16, 0.25, 1e-6, fused.final_norm, 1e-6)
+                 layer_space, context_lens, *rope, 4, 2, 16, 16, 0.25, 1e-6, fused.final_norm, 1e-6)
 
     with pytest.raises(RuntimeError, match="per-layer lists"):
         call(fused.weights[:-1], [one, one], [-1], [0, 0])
@@ -91,6 +91,8 @@ def test_the_fused_kernel_refuses_lists_that_do_not_match_its_layers(tiny_ckpt):
         call(fused.weights, [one, one], [-1], [0, 1])
     with pytest.raises(RuntimeError, match="ids must be"):
         call(fused.weights, [one, one], [-1], [0, 0], ids=one)
+    with pytest.raises(RuntimeError, match="context_lens must be"):  # one per row, int32
+        call(fused.weights, [one, one], [-1], [0, 0], context_lens=torch.ones(2, dtype=torch.int32))
     with pytest.raises(RuntimeError, match="no layers"):
         call([], [one, one], [-1], [])
 
