@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridkv.model_executor.cpu_kernels import fused_ops
 from hybridkv.model_executor.sampling_params import SamplingParams
 
 # (token_id, logprob, rank); rank = 1 + number of tokens with a strictly greater logprob.
@@ -62,7 +63,12 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest logit, the first one on ties, as argmax gives it.
     max(dim).indices picks the same index (first on ties, also for NaN) and on the CPU is 2.7-4x
     faster than argmax (32 x 49,152: 0.52 vs 1.43 ms in float32, 0.77 vs 3.38 ms in bfloat16,
-    Intel VM)."""
+    Intel VM), but still a scalar loop: the fused CPU ops' argmax_rows gives its answer in one
+    vectorised pass (2-core Zen 4, 49,152-entry rows: 1 row 47 -> 4.5-4.9 us, 32 rows ~1.1 ms ->
+    48 us float32 / 80 us bfloat16)."""
+    if (logits.is_cpu and logits.dim() == 2 and logits.shape[1] > 0
+            and logits.dtype in (torch.float32, torch.bfloat16) and (ops := fused_ops())):
+        return ops.argmax_rows(logits)
     return logits.max(dim=-1).indices
 
 

@@ -26,7 +26,8 @@ import torch
 
 from hybridkv.attention_backends.cpu_kernels import AMX_TILES_HEADER, build_cpu_extension
 
-_FUNCTIONS = ["skinny_linear", "rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "hc_sinkhorn_", "kernel_addresses"]
+_FUNCTIONS = ["skinny_linear", "rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "hc_sinkhorn_", "argmax_rows",
+              "kernel_addresses"]
 
 
 @functools.lru_cache(maxsize=1)

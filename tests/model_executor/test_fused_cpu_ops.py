@@ -248,3 +248,46 @@ def test_hc_sinkhorn_equals_the_torch_loop(n, iters, monkeypatch):
     got = comb.clone()
     assert mhc.sinkhorn_(got, iters, 1e-6) is got  # routed to the op, in place
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, n", [(1, 49152), (6, 4100), (33, 2048), (2, 1), (6, 2049)])
+def test_argmax_rows_is_torch_max_indices(dtype, rows, n):
+    """Greedy sampling's argmax gives torch.max(dim=-1).indices' answer: the first index on ties
+    (also when the tied maxima lie in different 2,048-entry blocks of the kernel), the first NaN
+    of a row, a row of -inf only, a constant row, -0 against +0; from a strided view too."""
+    x = torch.randn(rows, n, generator=_gen(rows + n)).to(dtype)
+    top = float(x.float().max()) + 1
+    x[0, n // 2] = top
+    x[0, n - 1] = top  # a later tie, in another block when n > 2,048
+    if rows > 1:
+        x[1, n // 3] = float("nan")
+        x[1, n - 1] = float("nan")
+    if rows > 2:
+        x[2] = float("-inf")
+    if rows > 3:
+        x[3] = 0.5
+    if rows > 4:
+        x[4] = -1.0
+        x[4, n // 4] = -0.0
+        x[4, n - 2] = 0.0
+    if rows > 5:
+        x[5, 0] = float("inf")
+    for t in (x, x.t().contiguous().t()):
+        assert torch.equal(ops.argmax_rows(t), t.max(dim=-1).indices)
+
+
+@needs_ops
+def test_greedy_sampling_takes_the_kernel_argmax(monkeypatch):
+    """The sampler's greedy rows go through argmax_rows (CPU, float32 / bfloat16), and every
+    other tensor through torch's max."""
+    from hybridkv.model_executor import sampler
+
+    calls = []
+    monkeypatch.setattr(sampler, "fused_ops", lambda: type("Spy", (), {"argmax_rows": staticmethod(
+        lambda x: calls.append(x.dtype) or ops.argmax_rows(x))})())
+    x = torch.randn(4, 300, generator=_gen())
+    for t in (x, x.bfloat16(), x.double()):
+        assert torch.equal(sampler.greedy_tokens(t), t.max(dim=-1).indices)
+    assert calls == [torch.float32, torch.bfloat16]
