@@ -5,15 +5,15 @@ the demo model spent ~110 us a layer in the forward methods, the linears' wrappe
 next to ~210 us of weight streaming (2-core Zen 4, bf16: 3.3 of a token's 12.5 ms). `FusedDecode`
 hands the whole stack to cpu_kernels/decode_layers.cpp, which calls the same kernels in the same
 order on the same tensors, so a step's outputs are bit-identical to the layer-by-layer path (the
-tests hold it to that), and the layers' Python runs once per step instead of once per layer. The embedding lookup and
-the final norm run in the same call: at one row each small op dispatched from Python after the
-weight stream cost ~50-100 us (2-core Zen 4), the Python work of a whole layer.
+tests hold it to that), and the layers' Python runs once per step instead of once per layer.
+The embedding lookup, the decode groups and the final norm run in the same call: at one row each
+small op dispatched from Python after the weight stream cost ~50-100 us (2-core Zen 4), about the
+Python work of a whole layer.
 
 It takes a step only where the layer-by-layer path would run exactly those kernels:
 - CPU kernels built (fused ops, blocked linear, paged attention) and HYBRIDKV_FUSED_DECODE not 0;
 - every layer a Llama decoder layer (with or without Qwen3's q/k norms), SiLU MLP, plain RMSNorm
-  of one eps;
-  a plain final RMSNorm and an nn.Embedding, all in the model's dtype;
+  of one eps; a plain final RMSNorm and an nn.Embedding; all in the model's dtype;
 - every projection on the blocked linear (bf16: PackedLinearWeight's vdpbf16ps path on CPUs with
   AVX512-BF16; float32: BlockedLinearWeight), and at most as many rows as those take;
 - attention on TorchNativeAttention with its paged decode kernel and K/V writer;

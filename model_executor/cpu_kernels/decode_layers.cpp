@@ -19,7 +19,8 @@
 //   residual, x = add_norm(linear(o), residual)
 //   hidden = linear(silu_and_mul(linear(x)))
 // between the embedding lookup and the model's final norm (add_norm(hidden, residual)), which
-// run here too: at one row each small op after the weight stream cost ~50-100 us from Python.
+// run here too, as does building the decode groups: at one row each small op after the weight
+// stream cost ~50-100 us from Python.
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -69,15 +70,13 @@ enum { kInNorm, kPostNorm, kQkv, kQkvBias, kO, kOBias, kGateUp, kGateUpBias, kDo
 //   context_lens: [T] int32, each sequence's tokens in the cache after this step (the step's
 //                 decode groups, AttentionMetadata.decode_groups, are built from it here)
 //   cos, sin [T, 1, D] in the embedding's dtype
-//   final_norm, final_eps: the model's final RMSNorm (eps: the layers' norms')
+//   eps: the layers' norms' (q/k norms included); final_norm, final_eps: the model's final RMSNorm
 torch::Tensor decode_layers(torch::Tensor ids, torch::Tensor embedding, std::unordered_map<std::string, int64_t> kernels,
-                                         std::vector<torch::Tensor> weights, std::vector<int64_t> out_features,
-                                         std::vector<torch::Tensor> caches, std::vector<torch::Tensor> tables,
-                                         std::vector<int64_t> windows, std::vector<int64_t> layer_space,
-                                         torch::Tensor context_lens, torch::Tensor cos,
-                                         torch::Tensor sin, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                                         int64_t page_size, double scale, double eps, torch::Tensor final_norm,
-                                         double final_eps) {
+                            std::vector<torch::Tensor> weights, std::vector<int64_t> out_features,
+                            std::vector<torch::Tensor> caches, std::vector<torch::Tensor> tables,
+                            std::vector<int64_t> windows, std::vector<int64_t> layer_space, torch::Tensor context_lens,
+                            torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                            int64_t page_size, double scale, double eps, torch::Tensor final_norm, double final_eps) {
   const auto linear = kernel<Linear>(kernels, "linear");
   const auto rms_norm = kernel<RmsNorm>(kernels, "rms_norm");
   const auto add_rms_norm = kernel<AddRmsNorm>(kernels, "add_rms_norm");
