@@ -7,11 +7,11 @@ seconds depends on the model, the dtype and the machine. On issue 13's online lo
 in / 64 out, concurrency 16, demo model, 2-core Zen 4; benchmarks/README.md, twenty-third and
 twenty-fourth sessions) the old fixed 0.25 s left TPOT at vLLM-CPU's (float32 1.02x, bf16
 0.97x); the targets that beat vLLM on TTFT and TPOT at once were ~0.16-0.2 s in float32 and
-~0.09-0.12 s in bfloat16, while 0.14 s (float32) and 0.07 s (bf16) let first tokens wait about as
-long as vLLM's or longer. Both good ranges are the time of about TOKENS_PER_TARGET prompt tokens at the
-average rate of the steps that carry prefill there (~1.17 ms a token in float32, ~0.73 ms in
-bf16): the load is mostly prefill, and what a step can carry beside its decodes without
-queueing prompts is an amount of prefill work, not of time.
+~0.09-0.12 s in bfloat16, while 0.14 s (float32) and 0.07 s (bf16) let first tokens wait about
+as long as vLLM's or longer. Both good ranges are the time of about TOKENS_PER_TARGET prompt
+tokens at the average rate of the steps that carry prefill there (~1.17 ms a token in float32,
+~0.73 ms in bf16): the load is mostly prefill, and what a step can carry beside its decodes
+without queueing prompts is an amount of prefill work, not of time.
 
 So "auto" takes
 
@@ -51,8 +51,8 @@ MIN_TARGET_SECONDS = 0.05
 
 def auto_step_target(seconds_per_token: float, max_step_seconds: float | None = None) -> tuple[float, float]:
     """(target, longest step) in seconds where a prompt token takes seconds_per_token (at the
-    average rate of steps with prefill). An explicit max_step_seconds is kept as the longest step, and the target
-    never exceeds it."""
+    average rate of steps with prefill). An explicit max_step_seconds is kept as the longest
+    step, and the target never exceeds it."""
     if not seconds_per_token > 0:
         raise ValueError(f"seconds_per_token must be > 0, got {seconds_per_token}")
     target = min(MAX_TARGET_SECONDS, max(MIN_TARGET_SECONDS, TOKENS_PER_TARGET * seconds_per_token))

@@ -209,7 +209,7 @@ class ModelRunner:
         # pages (model_executor/kv_loads.py); whatever nobody waited for completes after.
         loads = self.host_cache.take_loads() if self.host_cache is not None else None
         meta.kv_loads = loads
-        sampled_rows = self.sampled_rows(items)
+        sampling, sampled_rows = self.sampled(items)
         output_rows = self._output_rows(sampled_rows, items, ids)
         try:
             hidden = self.model(ids, positions, meta, output_rows=output_rows)
@@ -233,7 +233,6 @@ class ModelRunner:
                 row += s.num_new_tokens
             if len(sampled_rows) != ids.shape[0]:
                 hidden = hidden[sampled_rows]
-        sampling = [s for s in items if s.samples]
         if not sampling:
             return out
         # The sampler works on the host (per-request torch.Generators are CPU generators), in
@@ -257,14 +256,15 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def sampled_rows(items: list[ScheduledSequence]) -> list[int]:
-        """The rows whose logits are sampled: each sampling sequence's last row of the step."""
-        rows, row = [], 0
+    def sampled(items: list[ScheduledSequence]) -> tuple[list[ScheduledSequence], list[int]]:
+        """The sequences that sample this step, and the row of each one's logits (its last row)."""
+        sampling, rows, row = [], [], 0
         for s in items:
             row += s.num_new_tokens
             if s.samples:
+                sampling.append(s)
                 rows.append(row - 1)
-        return rows
+        return sampling, rows
 
     def _output_rows(self, sampled_rows: list[int], items: list[ScheduledSequence],
                      ids: torch.Tensor) -> torch.Tensor | None:

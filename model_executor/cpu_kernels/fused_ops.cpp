@@ -205,9 +205,9 @@ void rms_norm_rows(const scalar_t* x, int64_t x_stride, const scalar_t* w, scala
   });
 }
 
-// f(scalar_t{}) for the dtypes the norms take (float32, bfloat16): one dispatch for both ops.
+// f(scalar_t{}) for the dtypes these ops take (float32, bfloat16): one dispatch for all of them.
 template <typename F>
-void for_norm_dtype(at::ScalarType dtype, const char* op, F&& f) {
+void for_fused_dtype(at::ScalarType dtype, const char* op, F&& f) {
   if (dtype == at::kFloat)
     f(float{});
   else if (dtype == at::kBFloat16)
@@ -225,7 +225,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool u
   // Rows of a 2-D view (a strided slice of a wider tensor is fine: one row stride).
   const auto x2 = x.dim() == 2 || x.is_contiguous() ? x.reshape({-1, D}) : x.contiguous().view({-1, D});
   auto out = torch::empty(x.sizes(), x.options());
-  for_norm_dtype(x.scalar_type(), "rms_norm", [&](auto tag) {
+  for_fused_dtype(x.scalar_type(), "rms_norm", [&](auto tag) {
     using scalar_t = decltype(tag);
     rms_norm_rows<scalar_t>(x2.data_ptr<scalar_t>(), x2.stride(0), weight.data_ptr<scalar_t>(),
                             out.data_ptr<scalar_t>(), x2.size(0), D, static_cast<float>(eps), unit_offset);
@@ -247,7 +247,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
   const auto r2 = residual.contiguous().view({-1, D});
   auto sum = torch::empty(x.sizes(), x.options());
   auto out = torch::empty(x.sizes(), x.options());
-  for_norm_dtype(x.scalar_type(), "add_rms_norm", [&](auto tag) {
+  for_fused_dtype(x.scalar_type(), "add_rms_norm", [&](auto tag) {
     using scalar_t = decltype(tag);
     rms_norm_rows<scalar_t>(x2.data_ptr<scalar_t>(), D, weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                             x2.size(0), D, static_cast<float>(eps), unit_offset, r2.data_ptr<scalar_t>(),
@@ -464,7 +464,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   const int64_t rows = xc.size(0), n = xc.size(1);
   auto out = torch::empty({rows}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
-  for_norm_dtype(x.scalar_type(), "argmax_rows", [&](auto tag) {
+  for_fused_dtype(x.scalar_type(), "argmax_rows", [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* p = xc.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
