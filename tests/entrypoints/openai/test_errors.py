@@ -5,6 +5,7 @@ connections, a full queue, work meant to stall the event loop; and the auth and 
 from __future__ import annotations
 
 import contextlib
+import gc
 import http.client
 import json
 import socket
@@ -406,9 +407,16 @@ def test_connections_over_the_limit_are_closed_at_once(hard):
 
 @contextlib.contextmanager
 def health_probe(srv):
-    """GET /health on fresh connections in a loop, in a thread; yields the list of latencies."""
+    """GET /health on fresh connections in a loop, in a thread; yields the list of latencies.
+
+    The heap is frozen meanwhile, as `serve` freezes its startup heap (gc_pauses.py). This
+    in-process server shares pytest's heap, which holds what every earlier test made: a full
+    collection of it stopped every thread for 0.83 s once (the server's own log named it), a
+    pause of the whole process that a probe would otherwise blame on the event loop."""
     latencies: list[float] = []
     stop = threading.Event()
+    gc.collect()
+    gc.freeze()
 
     def probe() -> None:
         while not stop.is_set():
@@ -424,6 +432,7 @@ def health_probe(srv):
     finally:
         stop.set()
         thread.join(15)
+        gc.unfreeze()
 
 
 def test_8mib_prompt_gets_400_quickly_and_health_stays_responsive(hard):
