@@ -169,6 +169,18 @@ def main() -> None:
         limit = f"{n / t / limits[key]:9.2f}" if key in limits else "-"
         print(f"{key:<16}{fmt(n, t):>22}{fmt(n, theirs.get(hf_key)):>22}{fmt(n, peer.get(peer_key)):>22}"
               f"{ratio(theirs.get(hf_key), t):>8}{ratio(peer.get(peer_key), t):>9}{limit:>10}")
+    peak = roofline.fma_peak(dtype)
+    if peak is None:
+        print("prefill against the vector FMA peak: no probe here (no compiler, or no vector FMA of this dtype)")
+    else:
+        c_flops = cost.prefill_flops(work["c_prefill"])
+
+        def of_peak(seconds: float) -> str:
+            return f"{c_flops / seconds / peak:.2f}"
+
+        print(f"prefill against the vector FMA peak (the ceiling above the GEMM line): {peak / 1e9:.0f} GFLOP/s; "
+              f"c_prefill at {of_peak(ours['c_prefill'])} of it (hybridkv)"
+              + (f", {of_peak(peer['c_prefill'])} (vLLM-CPU)" if "c_prefill" in peer else ""))
     read_limit = cost.decode_limit(read, gemm)
     print(f"decode against the read line (diagnostic): read {read / 1e9:.1f} GB/s -> <= {read_limit:.1f} tok/s "
           f"at batch 1; a_decode {work['a_decode'] / ours['a_decode'] / read_limit:.2f} of it")

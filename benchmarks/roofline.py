@@ -8,6 +8,10 @@ per-workload limits for the checkpoint and dtype the engine ran:
     decode tok/s limit  = copy bandwidth / weight bytes per step        (x batch, until GEMM-bound)
     prefill tok/s limit = fp32/bf16 GEMM rate / FLOPs per prompt token  (projections + attention)
 
+The GEMM rate is what one torch matmul reaches, which an engine's own kernels can beat. The
+vector FMA peak (`fma_peak`: FMAs on registers alone, compiled on first use) is the ceiling
+above it, printed beside the GEMM line.
+
 Copy bandwidth counts the bytes read and written. A weight stream is reads only, so the
 read probe (a sum over a large tensor) is printed beside it as a second, diagnostic line. They
 need not agree: on a 2-core Zen 4 VM one sitting read 33.1 GB/s by copy, 32.6 by torch's sum and
@@ -59,6 +63,24 @@ def gemm_rate(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
     return 2 * n**3 / median_seconds(lambda: a @ b, repeats)
+
+
+def fma_peak(dtype: torch.dtype = torch.float32, seconds: float = 0.3, repeats: int = 3) -> float | None:
+    """FLOP/s of vector FMAs on registers alone, every torch thread at once (fma_peak.cpp): the
+    rate no matmul can pass, where gemm_rate is one torch matmul reaches (the engine's own
+    kernels may beat it). None when the probe cannot be built here (no compiler) or the CPU
+    has no vector FMA of that dtype (bfloat16 without AVX512-BF16)."""
+    from pathlib import Path
+
+    from hybridkv.attention_backends.cpu_kernels import build_cpu_extension
+
+    module = build_cpu_extension("hybridkv_fma_peak", Path(__file__).with_name("fma_peak.cpp"), ["fma_peak"],
+                                 "FMA-peak probe")
+    if module is None:
+        return None
+    kind = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    best = max(module.fma_peak(kind, seconds) for _ in range(repeats))
+    return best or None
 
 
 @dataclass

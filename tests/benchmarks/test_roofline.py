@@ -43,3 +43,16 @@ def test_measured_rates_are_positive_and_finite():
     read = roofline.read_bandwidth(mib=8, repeats=2)
     gemm = roofline.gemm_rate(torch.float32, n=128, repeats=2)
     assert 1e8 < bw < 1e13 and 1e8 < read < 1e13 and 1e7 < gemm < 1e14
+
+
+def test_the_fma_peak_is_a_ceiling_above_the_gemm_line_and_counts_bf16_pairs():
+    """The vector FMA peak bounds every matmul (a probe below a torch GEMM would count FLOPs
+    wrong or time the wrong thing), and vdpbf16ps counts twice float32's FLOPs an instruction."""
+    peak = roofline.fma_peak(torch.float32, seconds=0.05)
+    if peak is None:
+        pytest.skip("the FMA-peak probe cannot be built here")
+    gemm = roofline.gemm_rate(torch.float32, n=256, repeats=3)
+    assert peak > gemm, (peak, gemm)
+    bf16 = roofline.fma_peak(torch.bfloat16, seconds=0.05)
+    if bf16 is not None:  # AVX512-BF16: 2 products and 2 sums a float32 lane, same issue rate
+        assert 1.4 < bf16 / peak < 2.6, (bf16, peak)
