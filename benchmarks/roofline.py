@@ -67,8 +67,8 @@ def gemm_rate(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 
 
 def fma_peak(dtype: torch.dtype = torch.float32, seconds: float = 0.3, repeats: int = 3) -> float | None:
     """FLOP/s of vector FMAs on registers alone, every torch thread at once (fma_peak.cpp): the
-    rate no matmul can pass, where gemm_rate is one torch matmul reaches (the engine's own
-    kernels may beat it). None when the probe cannot be built here (no compiler) or the CPU
+    rate no matmul can pass, where gemm_rate is what one torch matmul reaches (the engine's
+    own kernels may beat it). None when the probe cannot be built here (no compiler) or the CPU
     has no vector FMA of that dtype (bfloat16 without AVX512-BF16)."""
     from pathlib import Path
 

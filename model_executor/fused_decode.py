@@ -14,11 +14,13 @@ It takes a step only where the layer-by-layer path would run exactly those kerne
 - CPU kernels built (fused ops, blocked linear, paged attention) and HYBRIDKV_FUSED_DECODE not 0;
 - every layer a Llama decoder layer (with or without Qwen3's q/k norms), SiLU MLP, plain RMSNorm
   of one eps; a plain final RMSNorm and an nn.Embedding; all in the model's dtype;
+- or every layer a Gemma 3 decoder layer: unit-offset RMSNorms (four a layer, q/k norms, the
+  final norm) of one eps, GELU-tanh MLP, the scaled embedding, one RoPE table per layer type;
 - every projection on the blocked linear (bf16: PackedLinearWeight's vdpbf16ps path on CPUs with
   AVX512-BF16; float32: BlockedLinearWeight), and at most as many rows as those take;
 - attention on TorchNativeAttention with its paged decode kernel and K/V writer;
 - a step of decodes only, with no host-tier load-backs to wait for.
-Anything else (prefill chunks, the AMX linear, Gemma 3, DeepSeek-V4) runs layer by layer.
+Anything else (prefill chunks, the AMX linear, DeepSeek-V4) runs layer by layer.
 """
 from __future__ import annotations
 
@@ -34,7 +36,13 @@ from hybridkv.model_executor.cpu_kernels import blocked_linear_ops, decode_layer
 from hybridkv.model_executor.layers import BlockedLinearWeight, PackedLinearWeight, RMSNorm, packed_forward
 
 ENV_SWITCH = "HYBRIDKV_FUSED_DECODE"
-_NONE = torch.empty(0)  # decode_layers.cpp's "no bias" / "no q/k norm" (a list of tensors cannot hold None)
+_NONE = torch.empty(0)  # decode_layers.cpp's "no bias" / "no such norm" (a list of tensors cannot hold None)
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # SiluAndMulMLP's names for F.gelu(approximate="tanh")
+
+
+def _is_gemma3_layer(layer) -> bool:
+    """A Gemma 3 decoder layer: its sub-blocks' outputs are normed before the residual adds."""
+    return hasattr(layer, "pre_feedforward_layernorm") and hasattr(layer, "post_feedforward_layernorm")
 
 
 @dataclass
@@ -46,12 +54,16 @@ class _Bound:
 
 class FusedDecode:
     """The model's forward for a step `takes(input_ids, meta)` accepts: final hidden states =
-    fused(input_ids, rope, meta). Build it with `for_model` after the weights are packed."""
+    fused(input_ids, ropes, meta), ropes the (cos, sin) of each of `rope_keys` (the layers'
+    `layer_type`s in first-use order; [None] for models with one table). Build it with
+    `for_model` after the weights are packed."""
 
     def __init__(self, model, dtype: torch.dtype, linear_kernel: str, max_rows: int | None) -> None:
         attn0 = model.layers[0].self_attn
         self.layers = list(model.layers)
         self.dtype, self.max_rows = dtype, max_rows
+        self.gemma3 = _is_gemma3_layer(self.layers[0])
+        self.embed_scale = float(getattr(model, "embed_scale", 1.0)) if self.gemma3 else 1.0
         self.heads, self.kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
         self.scale, self.eps = float(attn0.scale), float(model.layers[0].input_layernorm.eps)
         self.embedding = model.embed_tokens.weight.detach()
@@ -72,10 +84,16 @@ class FusedDecode:
                 self.weights += [packed, _NONE if bias is None else bias]
                 self.out_features.append(linear.out_features)
             self.weights += [_NONE, _NONE] if a.q_norm is None else [a.q_norm.weight.detach(), a.k_norm.weight.detach()]
+            self.weights += ([layer.pre_feedforward_layernorm.weight.detach(),
+                              layer.post_feedforward_layernorm.weight.detach()] if self.gemma3 else [_NONE, _NONE])
         # Block spaces in first-use order, and each layer's index into them: a step hands the
         # kernel one block table, slot mapping and window per space, not per layer.
         self.spaces = list(dict.fromkeys(layer.self_attn.space for layer in self.layers))
         self.layer_space = [self.spaces.index(layer.self_attn.space) for layer in self.layers]
+        # RoPE tables likewise (Gemma 3: the sliding layers' local base, the full layers' global one).
+        types = [layer.layer_type if self.gemma3 else None for layer in self.layers]
+        self.rope_keys = list(dict.fromkeys(types))
+        self.layer_rope = [self.rope_keys.index(t) for t in types]
         self._bound: _Bound | None = None
 
     @classmethod
@@ -87,14 +105,19 @@ class FusedDecode:
         if None in (fused_ops(), blocked_linear_ops(), decode_layers_ops(), load_paged_attention_module()):
             return None
         embed, final = getattr(model, "embed_tokens", None), getattr(model, "norm", None)
-        if (not isinstance(embed, torch.nn.Embedding) or not isinstance(final, RMSNorm) or final.unit_offset
+        gemma3 = _is_gemma3_layer(model.layers[0])
+        if (not isinstance(embed, torch.nn.Embedding) or not isinstance(final, RMSNorm) or final.unit_offset != gemma3
                 or final.weight.dtype != embed.weight.dtype):
             return None
         kinds, limits, dtype, shape = set(), [], embed.weight.dtype, None
         for layer in model.layers:
             a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
-            if a is None or m is None or None in norms:
+            if _is_gemma3_layer(layer) != gemma3:
+                return None
+            if gemma3:
+                norms = (*norms, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
+            if a is None or m is None or None in norms or not all(isinstance(n, RMSNorm) for n in norms):
                 return None
             qk_norms = (getattr(a, "q_norm", None), getattr(a, "k_norm", None))
             if qk_norms != (None, None):  # Qwen3's: plain RMSNorms over the head size, both there
@@ -103,8 +126,9 @@ class FusedDecode:
                 norms = (*norms, *qk_norms)
             if shape is None:  # what every layer must share with the first
                 shape = (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, norms[0].eps)
-            if (dtype not in (torch.bfloat16, torch.float32) or not getattr(m, "is_silu", False)
-                    or any(n.unit_offset or n.eps != shape[4] or n.weight.dtype != dtype for n in norms)
+            activation_ok = (getattr(m, "activation", None) in _GELU_TANH) if gemma3 else getattr(m, "is_silu", False)
+            if (dtype not in (torch.bfloat16, torch.float32) or not activation_ok
+                    or any(n.unit_offset != gemma3 or n.eps != shape[4] or n.weight.dtype != dtype for n in norms)
                     or (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, shape[4]) != shape):
                 return None
             for proj in (getattr(a, "qkv_proj", None), getattr(a, "o_proj", None), getattr(m, "gate_up_proj", None),
@@ -156,17 +180,17 @@ class FusedDecode:
         self._bound = _Bound(attn0.k_cache, caches)
         return self._bound
 
-    def __call__(self, input_ids: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def __call__(self, input_ids: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
                  meta: AttentionMetadata) -> torch.Tensor:
-        """The final hidden states for a step `takes` accepted (it bound the caches); rope in
-        self.dtype."""
+        """The final hidden states for a step `takes` accepted (it bound the caches); ropes in
+        self.dtype, one (cos, sin) per rope_keys entry."""
         tables, windows = [], []
         for space in self.spaces:
             sm = meta.spaces[space]
             tables += [sm.block_table if sm.block_table.dtype == torch.int32 else sm.block_table.to(torch.int32),
                        sm.slot_mapping]
             windows.append(-1 if sm.window is None else sm.window)
-        cos, sin = rope
         return self.op(input_ids, self.embedding, self.kernels, self.weights, self.out_features, self._bound.caches,
-                       tables, windows, self.layer_space, meta.context_lens, cos, sin, self.heads, self.kv_heads,
-                       self.head_dim, meta.page_size, self.scale, self.eps, self.final_norm, self.final_eps)
+                       tables, windows, self.layer_space, meta.context_lens, [t for rope in ropes for t in rope],
+                       self.layer_rope, self.heads, self.kv_heads, self.head_dim, meta.page_size, self.scale,
+                       self.eps, self.final_norm, self.final_eps, self.gemma3, self.embed_scale)

@@ -120,6 +120,7 @@ class SiluAndMulMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False, act: str = "silu") -> None:
         super().__init__()
         self.intermediate = intermediate
+        self.activation = act  # the config's hidden_act name (fused_decode reads it)
         self.is_silu = act in ("silu", "swish")
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)

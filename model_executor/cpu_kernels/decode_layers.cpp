@@ -21,6 +21,15 @@
 // between the embedding lookup and the model's final norm (add_norm(hidden, residual)), which
 // run here too, as does building the decode groups: at one row each small op after the weight
 // stream cost ~50-100 us from Python.
+//
+// Gemma 3's layer (gemma3 = true), as Gemma3DecoderLayer.forward does it: every norm stores
+// weight - 1 (unit offset), each sub-block's output is normed before its residual add, and the
+// MLP's gate is GELU-tanh; the embedding is scaled by sqrt(hidden) rounded to the dtype first:
+//   x = norm(hidden); q, k, v and attention as above (q/k norms, unit offset)
+//   hidden = hidden + post_norm(linear(o))
+//   hidden = hidden + post_ff_norm(linear(gelu_tanh(gate) * up)), gate|up = linear(pre_ff_norm(hidden))
+// and the final norm is norm(hidden). Sliding and full layers read their own RoPE table
+// (layer_rope) and block space (layer_space).
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -52,13 +61,18 @@ c10::optional<torch::Tensor> bias_of(const torch::Tensor& t) {
   return t.numel() > 0 ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
 
-constexpr int64_t kWeights = 12;  // per layer, in this order (q/k norms: empty tensors where none):
-enum { kInNorm, kPostNorm, kQkv, kQkvBias, kO, kOBias, kGateUp, kGateUpBias, kDown, kDownBias, kQNorm, kKNorm };
+// Per layer, in this order; empty tensors where a model has none (q/k norms, Gemma 3's
+// pre- and post-feedforward norms). kPostNorm is post_attention_layernorm in either layer.
+constexpr int64_t kWeights = 14;
+enum {
+  kInNorm, kPostNorm, kQkv, kQkvBias, kO, kOBias, kGateUp, kGateUpBias, kDown, kDownBias, kQNorm, kKNorm,
+  kPreFfNorm, kPostFfNorm
+};
 
 }  // namespace
 
-// ids [T] (int64) through the embedding [vocab, hidden], every layer and the final norm; returns
-// the final hidden states [T, hidden].
+// ids [T] (int64) through the embedding [vocab, hidden] (times embed_scale for Gemma 3), every
+// layer and the final norm; returns the final hidden states [T, hidden].
 //   kernels:      name -> address: `linear` (the four projections' kernel) and rms_norm,
 //                 add_rms_norm, rotary, silu_and_mul, paged_attention, write_kv
 //   weights:      kWeights per layer (the enum above; packed linears, float32 padded biases or
@@ -69,14 +83,17 @@ enum { kInNorm, kPostNorm, kQkv, kQkvBias, kO, kOBias, kGateUp, kGateUpBias, kDo
 //                 space (-1: none); layer_space: each layer's block space (an index into those)
 //   context_lens: [T] int32, each sequence's tokens in the cache after this step (the step's
 //                 decode groups, AttentionMetadata.decode_groups, are built from it here)
-//   cos, sin [T, 1, D] in the embedding's dtype
+//   ropes:        2 per RoPE table (cos, sin [T, 1, D] in the embedding's dtype); layer_rope: each
+//                 layer's table (an index into those)
 //   eps: the layers' norms' (q/k norms included); final_norm, final_eps: the model's final RMSNorm
+//   gemma3:       Gemma 3's layer (above); embed_scale is read only then
 torch::Tensor decode_layers(torch::Tensor ids, torch::Tensor embedding, std::unordered_map<std::string, int64_t> kernels,
                             std::vector<torch::Tensor> weights, std::vector<int64_t> out_features,
                             std::vector<torch::Tensor> caches, std::vector<torch::Tensor> tables,
                             std::vector<int64_t> windows, std::vector<int64_t> layer_space, torch::Tensor context_lens,
-                            torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                            int64_t page_size, double scale, double eps, torch::Tensor final_norm, double final_eps) {
+                            std::vector<torch::Tensor> ropes, std::vector<int64_t> layer_rope, int64_t heads,
+                            int64_t kv_heads, int64_t head_dim, int64_t page_size, double scale, double eps,
+                            torch::Tensor final_norm, double final_eps, bool gemma3, double embed_scale) {
   const auto linear = kernel<Linear>(kernels, "linear");
   const auto rms_norm = kernel<RmsNorm>(kernels, "rms_norm");
   const auto add_rms_norm = kernel<AddRmsNorm>(kernels, "add_rms_norm");
@@ -91,6 +108,8 @@ torch::Tensor decode_layers(torch::Tensor ids, torch::Tensor embedding, std::uno
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "decode_layers: ids must be [T] int64");
   TORCH_CHECK(embedding.dim() == 2, "decode_layers: the embedding must be [vocab, hidden]");
   torch::Tensor hidden = at::embedding(embedding, ids);  // as nn.Embedding's forward
+  // Gemma 3: times a 0-dim tensor of the scale in the dtype, as Gemma3ForCausalLM.forward does.
+  if (gemma3) hidden = hidden * at::scalar_tensor(embed_scale, hidden.options());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeights * layers &&
                   static_cast<int64_t>(out_features.size()) == 4 * layers &&
                   static_cast<int64_t>(caches.size()) == 2 * layers,
@@ -99,6 +118,12 @@ torch::Tensor decode_layers(torch::Tensor ids, torch::Tensor embedding, std::uno
               " spaces do not match");
   for (const int64_t sp : layer_space)
     TORCH_CHECK(sp >= 0 && sp < spaces, "decode_layers: a layer's block space ", sp, " is not one of ", spaces);
+  const int64_t tables_of_rope = static_cast<int64_t>(ropes.size()) / 2;
+  TORCH_CHECK(ropes.size() % 2 == 0 && static_cast<int64_t>(layer_rope.size()) == layers,
+              "decode_layers: ropes (cos, sin per table) and layer_rope (one per layer) do not match");
+  for (const int64_t r : layer_rope)
+    TORCH_CHECK(r >= 0 && r < tables_of_rope, "decode_layers: a layer's RoPE table ", r, " is not one of ",
+                tables_of_rope);
   const int64_t T = hidden.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   // The decodes as query groups of one row, as AttentionMetadata.decode_groups builds them: group
   // i is row i of the block table, at position context_lens[i] - 1. (Four torch ops from Python
@@ -122,8 +147,11 @@ torch::Tensor decode_layers(torch::Tensor ids, torch::Tensor embedding, std::uno
     const int64_t* n = out_features.data() + 4 * l;
     const torch::Tensor &k_cache = caches[2 * l], &v_cache = caches[2 * l + 1];
     const int64_t sp = layer_space[l];
+    const torch::Tensor &cos = ropes[2 * layer_rope[l]], &sin = ropes[2 * layer_rope[l] + 1];
     torch::Tensor x;
-    if (l == 0) {
+    if (gemma3) {
+      x = rms_norm(hidden, w[kInNorm], eps, true);
+    } else if (l == 0) {
       residual = hidden;
       x = rms_norm(hidden, w[kInNorm], eps, false);
     } else {
@@ -139,18 +167,27 @@ torch::Tensor decode_layers(torch::Tensor ids, torch::Tensor embedding, std::uno
       q = qk.narrow(1, 0, heads);
       k = qk.narrow(1, heads, kv_heads);
     } else {
-      q = rotary(rms_norm(qkv.narrow(1, 0, q_size).view({T, heads, head_dim}), w[kQNorm], eps, false), cos, sin);
-      k = rotary(rms_norm(qkv.narrow(1, q_size, kv_size).view({T, kv_heads, head_dim}), w[kKNorm], eps, false), cos,
+      q = rotary(rms_norm(qkv.narrow(1, 0, q_size).view({T, heads, head_dim}), w[kQNorm], eps, gemma3), cos, sin);
+      k = rotary(rms_norm(qkv.narrow(1, q_size, kv_size).view({T, kv_heads, head_dim}), w[kKNorm], eps, gemma3), cos,
                  sin);
     }
     write_kv(k_cache, v_cache, tables[2 * sp + 1], k, v);
     const auto o = paged_attention(q, k_cache, v_cache, tables[2 * sp], group_start, group_row, positions, page_size,
                                    windows[sp], scale);
-    auto sum_norm = add_rms_norm(linear(o.reshape({T, q_size}), w[kO], bias_of(w[kOBias]), n[1]), residual,
-                                 w[kPostNorm], eps, false);
+    const auto attn = linear(o.reshape({T, q_size}), w[kO], bias_of(w[kOBias]), n[1]);
+    if (gemma3) {
+      hidden = hidden + rms_norm(attn, w[kPostNorm], eps, true);
+      const auto gate_up = linear(rms_norm(hidden, w[kPreFfNorm], eps, true), w[kGateUp], bias_of(w[kGateUpBias]), n[2]);
+      const int64_t inter = n[2] / 2;  // as SiluAndMulMLP.forward: act(gate) * up of the split
+      const auto act = at::gelu(gate_up.narrow(1, 0, inter), "tanh") * gate_up.narrow(1, inter, inter);
+      hidden = hidden + rms_norm(linear(act, w[kDown], bias_of(w[kDownBias]), n[3]), w[kPostFfNorm], eps, true);
+      continue;
+    }
+    auto sum_norm = add_rms_norm(attn, residual, w[kPostNorm], eps, false);
     residual = sum_norm[0];
     const auto gate_up = linear(sum_norm[1], w[kGateUp], bias_of(w[kGateUpBias]), n[2]);
     hidden = linear(silu_and_mul(gate_up), w[kDown], bias_of(w[kDownBias]), n[3]);
   }
+  if (gemma3) return rms_norm(hidden, final_norm, final_eps, true);
   return add_rms_norm(hidden, residual, final_norm, final_eps, false)[1];
 }

@@ -104,7 +104,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 output_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """As LlamaForCausalLM.forward: the last layer runs past its attention on output_rows only."""
+        """As LlamaForCausalLM.forward: the last layer runs past its attention on output_rows only,
+        and a step the fused decode takes runs in one C++ call (the path below's bits)."""
+        fused = self._fused_decode
+        if fused is not None and fused.takes(input_ids, meta):
+            ropes = [self.rotary_emb[t].lookup(positions, fused.dtype) for t in fused.rope_keys]
+            hidden = fused(input_ids, ropes, meta)
+            return hidden if output_rows is None else hidden[output_rows]
         hidden = self.embed_tokens(input_ids)
         # transformers rounds the scale to the weight dtype before multiplying (matters in bf16).
         hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)

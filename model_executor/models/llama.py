@@ -184,7 +184,7 @@ class LlamaForCausalLM(CausalLM):
         fused = self._fused_decode
         if fused is not None and fused.takes(input_ids, meta):
             # Embedding, layers and final norm in one C++ call: the path below's bits.
-            hidden = fused(input_ids, self.rotary_emb.lookup(positions, fused.dtype), meta)
+            hidden = fused(input_ids, [self.rotary_emb.lookup(positions, fused.dtype)], meta)
             return hidden if output_rows is None else hidden[output_rows]
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary_emb.lookup(positions, hidden.dtype)

@@ -1,6 +1,6 @@
-"""fused_decode: a step of decodes runs every Llama-family layer in one C++ call and gives the
-layer-by-layer path's logits bit for bit; steps and models it cannot run exactly as the layers
-would (prefill chunks, Gemma 3's norms, the off switch) go layer by layer."""
+"""fused_decode: a step of decodes runs every Llama-family (or Gemma 3) layer in one C++ call and
+gives the layer-by-layer path's logits bit for bit; steps and models it cannot run exactly as the
+layers would (prefill chunks, an activation it does not have, the off switch) go layer by layer."""
 import pytest
 import torch
 
@@ -33,6 +33,7 @@ CASES = {
     "mistral (every layer windowed)": ("mistral", {}),
     "qwen2, a full and a windowed layer (two block spaces)": (
         "qwen2", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1}),
+    "gemma3 (unit-offset sandwich norms, GELU-tanh, two RoPE tables and block spaces)": ("gemma3_text", {}),
 }
 
 
@@ -43,8 +44,10 @@ def test_fused_decode_steps_give_the_layer_by_layer_logits_bit_for_bit(tiny_ckpt
     llm = LLM(tiny_ckpt(arch, **overrides), dtype=dtype, max_model_len=256)
     if llm.engine.runner.model._fused_decode is None:
         pytest.skip(f"no fused decode for {dtype} on this CPU (its linears are not the blocked kernels)")
-    if "two block spaces" in case:
+    if "two block spaces" in case or "two RoPE tables" in case:
         assert len({layer.self_attn.space for layer in llm.engine.runner.model.layers}) == 2
+    if "two RoPE tables" in case:
+        assert len(llm.engine.runner.model._fused_decode.rope_keys) == 2
     calls = []
     original = FusedDecode.__call__
     monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
@@ -61,9 +64,10 @@ def test_fused_decode_steps_give_the_layer_by_layer_logits_bit_for_bit(tiny_ckpt
 
 
 def test_models_and_switches_the_fused_decode_does_not_take(tiny_ckpt, monkeypatch):
-    """Gemma 3's unit-offset norms (and its sandwich norms) are not in decode_layers.cpp: layer by
+    """A Gemma 3 whose MLP gate is exact GELU (not GELU-tanh) is not in decode_layers.cpp: layer by
     layer. HYBRIDKV_FUSED_DECODE=0 turns it off for a model it would take."""
-    assert LLM(tiny_ckpt("gemma3_text"), dtype="float32", max_model_len=128).engine.runner.model._fused_decode is None
+    exact_gelu = LLM(tiny_ckpt("gemma3_text", hidden_activation="gelu"), dtype="float32", max_model_len=128)
+    assert exact_gelu.engine.runner.model._fused_decode is None
     llm = LLM(tiny_ckpt("llama"), dtype="float32", max_model_len=128)
     if llm.engine.runner.model._fused_decode is None:
         pytest.skip("no fused decode for float32 on this CPU")
@@ -79,9 +83,11 @@ def test_the_fused_kernel_refuses_lists_that_do_not_match_its_layers(tiny_ckpt):
     one = torch.zeros(1, dtype=torch.int32)
     rope = (torch.zeros(1, 1, 16), torch.zeros(1, 1, 16))
 
-    def call(weights, tables, windows, layer_space, ids=torch.zeros(1, dtype=torch.long), context_lens=one):
+    def call(weights, tables, windows, layer_space, ids=torch.zeros(1, dtype=torch.long), context_lens=one,
+             ropes=rope, layer_rope=(0, 0)):
         fused.op(ids, fused.embedding, fused.kernels, weights, fused.out_features, [one] * 4, tables, windows,
-                 layer_space, context_lens, *rope, 4, 2, 16, 16, 0.25, 1e-6, fused.final_norm, 1e-6)
+                 layer_space, context_lens, list(ropes), list(layer_rope), 4, 2, 16, 16, 0.25, 1e-6,
+                 fused.final_norm, 1e-6, False, 1.0)
 
     with pytest.raises(RuntimeError, match="per-layer lists"):
         call(fused.weights[:-1], [one, one], [-1], [0, 0])
@@ -93,8 +99,14 @@ def test_the_fused_kernel_refuses_lists_that_do_not_match_its_layers(tiny_ckpt):
         call(fused.weights, [one, one], [-1], [0, 0], ids=one)
     with pytest.raises(RuntimeError, match="context_lens must be"):  # one per row, int32
         call(fused.weights, [one, one], [-1], [0, 0], context_lens=torch.ones(2, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="ropes .cos, sin per table. and layer_rope"):
+        call(fused.weights, [one, one], [-1], [0, 0], ropes=rope[:1])
+    with pytest.raises(RuntimeError, match="ropes .cos, sin per table. and layer_rope"):
+        call(fused.weights, [one, one], [-1], [0, 0], layer_rope=(0,))
+    with pytest.raises(RuntimeError, match="RoPE table 1 is not one of 1"):
+        call(fused.weights, [one, one], [-1], [0, 0], layer_rope=(0, 1))
     with pytest.raises(RuntimeError, match="no layers"):
-        call([], [one, one], [-1], [])
+        call([], [one, one], [-1], [], layer_rope=())
 
 
 def test_a_step_with_host_tier_load_backs_goes_layer_by_layer(tiny_ckpt, monkeypatch):

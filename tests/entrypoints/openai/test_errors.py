@@ -415,8 +415,6 @@ def health_probe(srv):
     pause of the whole process that a probe would otherwise blame on the event loop."""
     latencies: list[float] = []
     stop = threading.Event()
-    gc.collect()
-    gc.freeze()
 
     def probe() -> None:
         while not stop.is_set():
@@ -425,9 +423,11 @@ def health_probe(srv):
             latencies.append(time.monotonic() - start)
 
     thread = threading.Thread(target=probe, daemon=True)
+    gc.collect()
+    gc.freeze()
     thread.start()
-    _wait_for(lambda: len(latencies) >= 3)
     try:
+        _wait_for(lambda: len(latencies) >= 3)
         yield latencies
     finally:
         stop.set()
