@@ -25,7 +25,7 @@ _SHARED_HEADER = Path(__file__).with_name("cpu_math.h")
 # starts and removed when it ends) stays behind when the building process is killed, and every
 # later process then waits on it forever. A build of these kernels takes well under a minute, so
 # a lock this old belongs to no running build.
-STALE_LOCK_SECONDS = 600.0
+STALE_LOCK_SECONDS = 300.0
 
 
 def switch_on(variable: str) -> bool:
@@ -62,6 +62,19 @@ def clear_stale_build_lock(build_dir: Path, max_age_seconds: float = STALE_LOCK_
     return True
 
 
+def await_build_lock(build_dir: Path, max_age_seconds: float = STALE_LOCK_SECONDS, poll_seconds: float = 1.0) -> bool:
+    """Wait until build_dir has no torch build lock, removing it once it is stale; True if one was
+    removed. torch waits on a lock without end, so a lock left by a build killed a moment ago
+    (a CI run stopped mid-build) used to hang every process that met it while it was fresh
+    (seen: ten minutes, until it was removed by hand). Waiting here bounds that by the stale age;
+    a running build's lock goes away when it finishes, well before."""
+    while (build_dir / "lock").exists():
+        if clear_stale_build_lock(build_dir, max_age_seconds):
+            return True
+        time.sleep(poll_seconds)
+    return False
+
+
 def _build_directory(module_name: str) -> Path | None:
     """Where torch builds module_name (its private helper; None if that moved)."""
     try:
@@ -85,7 +98,7 @@ def build_cpu_extension(name: str, source: Path, functions: list[str], what: str
         tag, isa = isa_flags()
         build_dir = _build_directory(f"{name}_{tag}")
         if build_dir is not None:
-            clear_stale_build_lock(build_dir)
+            await_build_lock(build_dir)
         # -fno-trapping-math lets g++ if-convert selects and divisions, which the omp simd loops
         # over exp_nonpositive need to vectorize at all; it changes no result (no FP traps are on).
         module = cpp_extension.load_inline(

@@ -1,5 +1,6 @@
 """attention_backends/cpu_kernels/build.py: a build lock left by a killed build is removed once it
-is older than any build takes, so the next process builds instead of waiting on it forever."""
+is older than any build takes, so the next process builds instead of waiting on it forever, also
+a process that meets the lock while it is still fresh."""
 from __future__ import annotations
 
 import os
@@ -27,6 +28,21 @@ def test_only_a_lock_older_than_any_build_is_removed(tmp_path):
     assert build.clear_stale_build_lock(stale.parent) and not stale.exists()
     assert not build.clear_stale_build_lock(fresh.parent) and fresh.exists(), "a running build's lock was removed"
     assert not build.clear_stale_build_lock(tmp_path / "c"), "no lock: nothing to remove"
+
+
+def test_a_fresh_lock_is_waited_out_until_it_goes_or_goes_stale(tmp_path):
+    # A killed build's lock, fresh when met: removed once it is older than the stale age.
+    killed = _lock(tmp_path / "a", 9.5)
+    start = time.monotonic()
+    assert build.await_build_lock(killed.parent, max_age_seconds=10.0, poll_seconds=0.05) and not killed.exists()
+    assert time.monotonic() - start < 5.0, "waited far past the stale age"
+    # A running build's lock: waited for until its build removes it, never removed here.
+    running = _lock(tmp_path / "b", 0.0)
+    threading.Timer(0.3, running.unlink).start()
+    start = time.monotonic()
+    assert not build.await_build_lock(running.parent, max_age_seconds=60.0, poll_seconds=0.05)
+    assert 0.2 < time.monotonic() - start < 5.0
+    assert not build.await_build_lock(tmp_path / "c"), "no lock: no wait"
 
 
 @pytest.mark.slow
