@@ -177,7 +177,8 @@ torch::Tensor decode_layers(torch::Tensor ids, torch::Tensor embedding, std::uno
     const auto attn = linear(o.reshape({T, q_size}), w[kO], bias_of(w[kOBias]), n[1]);
     if (gemma3) {
       hidden = hidden + rms_norm(attn, w[kPostNorm], eps, true);
-      const auto gate_up = linear(rms_norm(hidden, w[kPreFfNorm], eps, true), w[kGateUp], bias_of(w[kGateUpBias]), n[2]);
+      const auto gate_up =
+          linear(rms_norm(hidden, w[kPreFfNorm], eps, true), w[kGateUp], bias_of(w[kGateUpBias]), n[2]);
       const int64_t inter = n[2] / 2;  // as SiluAndMulMLP.forward: act(gate) * up of the split
       const auto act = at::gelu(gate_up.narrow(1, 0, inter), "tanh") * gate_up.narrow(1, inter, inter);
       hidden = hidden + rms_norm(linear(act, w[kDown], bias_of(w[kDownBias]), n[3]), w[kPostFfNorm], eps, true);
