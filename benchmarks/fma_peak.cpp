@@ -16,30 +16,31 @@ namespace {
 
 constexpr int kChains = 12;
 
+using hybridkv_cpu::kLanes;  // cpu_math.h, put in front of this file by the loader
+using hybridkv_cpu::splat;
+using hybridkv_cpu::vfloat;
+
+// One FMA instruction a vector, written out: whether a * b + c contracts depends on the flags.
 #if defined(__AVX512F__)
-using vec = __m512;
-inline vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec splat(float x) { return _mm512_set1_ps(x); }
-inline float first(vec v) { return _mm512_cvtss_f32(v); }
-constexpr int kLanes = 16;
+inline vfloat fma_vec(vfloat a, vfloat b, vfloat c) {
+  return (vfloat)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
 #elif defined(__AVX2__)
-using vec = __m256;
-inline vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec splat(float x) { return _mm256_set1_ps(x); }
-inline float first(vec v) { return _mm256_cvtss_f32(v); }
-constexpr int kLanes = 8;
+inline vfloat fma_vec(vfloat a, vfloat b, vfloat c) {
+  return (vfloat)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+}
 #endif
 
 // FLOPs done by one thread in `steps` steps of kChains float32 FMAs; sink keeps the chains live.
 double float_chains(int64_t steps, float* sink) {
 #if defined(__AVX512F__) || defined(__AVX2__)
-  vec acc[kChains];
+  vfloat acc[kChains];
   for (int i = 0; i < kChains; ++i) acc[i] = splat(1.f + i);
-  const vec b = splat(0.999999f), c = splat(1e-7f);  // a fixed point near 0.1: no denormals
+  const vfloat b = splat(0.999999f), c = splat(1e-7f);  // a fixed point near 0.1: no denormals
   for (int64_t s = 0; s < steps; ++s)
-    for (int i = 0; i < kChains; ++i) acc[i] = fma(acc[i], b, c);
+    for (int i = 0; i < kChains; ++i) acc[i] = fma_vec(acc[i], b, c);
   float total = 0.f;
-  for (int i = 0; i < kChains; ++i) total += first(acc[i]);
+  for (int i = 0; i < kChains; ++i) total += acc[i][0];
   *sink += total;
   return 2.0 * kLanes * kChains * static_cast<double>(steps);
 #else
