@@ -90,6 +90,11 @@ class EngineConfig:
     # the full C4 history is a host mirror charged to host memory, not to kv_cache_memory_bytes.
     enable_hisparse: bool = False
     hisparse_config: str | dict | None = None  # JSON or dict: {"hot_buffer_size": ..., "mirror_bytes": ...}
+    # Greedy decode steps per model call (vLLM's name): a step of plain greedy decodes, with
+    # nobody waiting and no tier below the device, runs up to this many steps in one C++ call
+    # (engine/decode_burst.py). None = 8 without a step target (offline), 1 with one (a burst is
+    # that many steps' time, and a streamed client would get its tokens that many at a time).
+    num_scheduler_steps: int | None = None
     # CPU compute threads (torch.set_num_threads, process-wide, set when the engine starts).
     # None = torch's default: OMP_NUM_THREADS when set, else one per core.
     num_threads: int | None = None
@@ -99,6 +104,10 @@ class EngineConfig:
         resolve_device(self.device)  # a device this machine lacks fails before the model loads
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None, got {self.num_threads}")
+        if self.num_scheduler_steps is not None and (
+                isinstance(self.num_scheduler_steps, bool) or not isinstance(self.num_scheduler_steps, int)
+                or self.num_scheduler_steps < 1):
+            raise ValueError(f"num_scheduler_steps must be an integer >= 1 or None, got {self.num_scheduler_steps!r}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -165,3 +174,5 @@ class HiSparseConfig:
 DEFAULT_KV_CACHE_CAP_BYTES = 2 << 30
 # The page size of a model that declares none (dense models): block_size=None resolves to it.
 DEFAULT_BLOCK_SIZE = 16
+# Decode steps per call when num_scheduler_steps is None and no step target is set.
+DEFAULT_SCHEDULER_STEPS = 8

@@ -20,14 +20,17 @@ import torch
 from hybridkv import OPENMP_RUNTIME
 from hybridkv.block_manager.kv_cache_manager import KVCacheManager, windowed_live_pages
 from hybridkv.block_manager.space_spec import SpaceSpec
-from hybridkv.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_CAP_BYTES, EngineConfig, resolve_device
+from hybridkv.engine.config import (
+    DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_CAP_BYTES, DEFAULT_SCHEDULER_STEPS, EngineConfig, resolve_device,
+)
+from hybridkv.engine.decode_burst import burst_steps
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
 from hybridkv.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from hybridkv.engine.request import Request, RequestStatus
 from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
 from hybridkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from hybridkv.model_executor.checkpoint import load_generation_config
-from hybridkv.model_executor.model_runner import ModelRunner, RunnerOutput
+from hybridkv.model_executor.model_runner import ModelRunner, RunnerOutput, SampledToken
 from hybridkv.model_executor.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -174,7 +177,12 @@ class LLMEngine:
         self._request_to_group: dict[str, _Group] = {}
         self._counter = itertools.count()  # request ids for callers that give none
         self._sequence_counter = itertools.count()  # internal sequence ids (_new_sequence_id)
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "burst_calls": 0}
+        # Decode steps per model call (engine/decode_burst.py); off under a step-time target.
+        steps = config.num_scheduler_steps
+        if steps is None:
+            steps = DEFAULT_SCHEDULER_STEPS if config.target_step_seconds is None else 1
+        self.burst_limit = steps
         # Host tier copies the runner executed: bytes each way and seconds spent.
         self.tier_stats = {"load_back_bytes": 0, "write_back_bytes": 0, "transfer_seconds": 0.0}
         self._load_seconds_seen = 0.0  # host_cache.load_seconds already counted in transfer_seconds
@@ -479,20 +487,68 @@ class LLMEngine:
             if self.storage is not None and self.storage.num_outstanding:
                 self.storage.wait()  # requests wait for their prefetch: sleep until a read lands
             return []
-        result = self.runner.execute(sched.model_input())
-        if self.runner.host_cache is not None:  # the load-backs the forward completed layer by layer
-            self.tier_stats["transfer_seconds"] += self.runner.host_cache.load_seconds - self._load_seconds_seen
-            self._load_seconds_seen = self.runner.host_cache.load_seconds
-        self.scheduler.update_after_step(sched)
-        self.stats["steps"] += 1
-        touched = self._process(sched, result)
+        steps = self._burst_steps(sched)
+        tokens = self._run_burst(sched, steps) if steps > 1 else None
+        if tokens is not None:
+            touched = self._book_burst(sched, tokens, steps)
+        else:
+            steps = 1
+            result = self.runner.execute(sched.model_input())
+            if self.runner.host_cache is not None:  # the load-backs the forward completed layer by layer
+                self.tier_stats["transfer_seconds"] += self.runner.host_cache.load_seconds - self._load_seconds_seen
+                self._load_seconds_seen = self.runner.host_cache.load_seconds
+            self.scheduler.update_after_step(sched)
+            self.stats["steps"] += 1
+            touched = self._process(sched, result)
         # Write-through of the pages this step completed, and of those that requests finishing
         # now published as they left (a decode's last pages are published at retire).
         self._flush_tier_transfers()
         outputs = [o for o in (self._make_output(g) for g in touched) if o is not None]
         # The whole step, as a stream sees it between two tokens (the latency target's unit).
-        self.scheduler.observe_step(sched, time.perf_counter() - t0)
+        self.scheduler.observe_step(sched, (time.perf_counter() - t0) / steps)
         return outputs
+
+    # -- decode bursts (num_scheduler_steps; engine/decode_burst.py) --------------------------------
+    def _burst_steps(self, sched: SchedulerOutput) -> int:
+        if (self.burst_limit <= 1 or sched.preempted or self.runner.host_cache is not None
+                or self.storage is not None or self.kv.hisparse is not None):
+            return 1
+        return burst_steps(self.burst_limit, [s.request for s in sched.scheduled],
+                           [s.num_new_tokens for s in sched.scheduled], self.scheduler.num_running,
+                           self.scheduler.num_waiting, self.max_model_len)
+
+    def _run_burst(self, sched: SchedulerOutput, steps: int) -> dict[str, list[int]] | None:
+        """The burst's tokens per request, or None (an ordinary step runs instead): the pages of
+        all its steps are allocated first (all-or-nothing per request; pages taken for a burst
+        that then does not run are the ones the next steps would take)."""
+        for s in sched.scheduled:
+            if not self.kv.allocate(s.request_id, s.end + steps - 1, decode=True):
+                return None
+        tokens = self.runner.execute_burst(sched.model_input(), steps)
+        if tokens is not None:
+            self.stats["burst_calls"] += 1
+        return tokens
+
+    def _book_burst(self, sched: SchedulerOutput, tokens: dict[str, list[int]], steps: int) -> list[_Group]:
+        """Record a burst's tokens one step at a time, as `steps` ordinary steps would: computed
+        counts and published pages, then each request's token and stop check; a request that
+        stopped takes no more of its tokens."""
+        touched: dict[str, _Group] = {}
+        live = sched.scheduled
+        for j in range(steps):
+            if j == 0:
+                self.scheduler.update_after_step(sched)
+            else:
+                self.scheduler.update_after_decodes([s.request for s in live])
+            self.stats["steps"] += 1
+            result = RunnerOutput(sampled={s.request_id: SampledToken(tokens[s.request_id][j], None, None)
+                                           for s in live})
+            for group in self._process(sched, result):
+                touched[group.request_id] = group
+            live = [s for s in live if not s.request.finished]
+            if not live:
+                break
+        return list(touched.values())
 
     def _process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[_Group]:
         now = time.monotonic()

@@ -355,6 +355,15 @@ class Scheduler:
                 continue  # no page completed, no window moved past a page (KVCacheManager.commit)
             commit(req.request_id, req.all_token_ids, end, prompt_done)
 
+    def update_after_decodes(self, requests: list[Request]) -> None:
+        """update_after_step for one more step of these decodes (a decode burst's later steps):
+        each computed one more token."""
+        commit, pages_of = self.kv.commit, self.kv.request_pages
+        for req in requests:
+            end = req.num_computed_tokens = req.num_computed_tokens + 1
+            if end >= pages_of[req.request_id].commit_at:
+                commit(req.request_id, req.all_token_ids, end)
+
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Retire a request (finished or aborted) and release its pages."""
         req.status = status

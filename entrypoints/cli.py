@@ -72,6 +72,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the CUDA path is checked on the CPU only so far (benchmarks/gpu_check.py)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="CPU compute threads (default: OMP_NUM_THREADS, else one per core)")
+    p.add_argument("--num-scheduler-steps", type=int, default=None,
+                   help="greedy decode steps per model call when every running request decodes greedily "
+                        "and none waits (default: 8 without a step target, so `generate`; 1 with one, so `serve`)")
     p.add_argument("--dequantize-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="FP8/FP4 checkpoints: dequantize once at load (faster, 2-4x the memory) instead of "
                         "keeping weights compressed (default: compressed)")
@@ -127,6 +130,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         num_threads=args.num_threads,
+        num_scheduler_steps=args.num_scheduler_steps,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         chat_template=template,
         scheduling_policy=args.scheduling_policy,

@@ -39,6 +39,10 @@ class LLM:
     on the CPU only (Triton interpreted, xformers' masks) until benchmarks/gpu_check.py runs on a
     GPU, hence opt-in.
 
+    num_scheduler_steps: greedy decode steps per model call while every running request decodes
+    greedily and nobody waits (None: 8 here, 1 with a target_step_seconds); the tokens are
+    those of one step at a time.
+
     block_size: tokens per KV page; None (the default) takes the model's default page size (16
     for dense models, 128 for DeepSeek-V4). An explicit size the model cannot use (not a multiple
     of its compression ratios) raises ValueError naming the sizes it can use.
@@ -80,6 +84,7 @@ class LLM:
         enable_hisparse: bool = False,
         hisparse_config: str | dict | None = None,
         num_threads: int | None = None,
+        num_scheduler_steps: int | None = None,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -116,6 +121,7 @@ class LLM:
                 enable_hisparse=enable_hisparse,
                 hisparse_config=hisparse_config,
                 num_threads=num_threads,
+                num_scheduler_steps=num_scheduler_steps,
             )
         )
 

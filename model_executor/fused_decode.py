@@ -45,6 +45,35 @@ def _is_gemma3_layer(layer) -> bool:
     return hasattr(layer, "pre_feedforward_layernorm") and hasattr(layer, "post_feedforward_layernorm")
 
 
+def _address(dtype: torch.dtype) -> int:
+    """The blocked linear kernel's address for `dtype` (the one a head must run to be bound)."""
+    name = "blocked_linear_bf16" if dtype == torch.bfloat16 else "blocked_linear"
+    return blocked_linear_ops().kernel_addresses()[name]
+
+
+@dataclass
+class _Head:
+    """The logits head as decode_burst calls it: the layers' linear kernel on this weight."""
+    weight: torch.Tensor
+    bias: torch.Tensor
+    out_features: int
+    max_rows: int | None
+
+    @classmethod
+    def of(cls, head, dtype: torch.dtype, same_kernel: bool) -> _Head | None:
+        if not same_kernel:
+            return None
+        if isinstance(head, PackedLinearWeight) and dtype == torch.bfloat16 and head.blocked is not None:
+            if head.blocked_rows <= 0:
+                return None
+            weight, rows = head.blocked_packed, head.blocked_rows
+        elif isinstance(head, BlockedLinearWeight) and dtype == torch.float32:
+            weight, rows = head.packed, head.max_rows
+        else:
+            return None
+        return cls(weight, _NONE if head.padded_bias is None else head.padded_bias, head.out_features, rows)
+
+
 @dataclass
 class _Bound:
     """What the runner binds after packing (caches, backends), gathered at first use."""
@@ -95,6 +124,17 @@ class FusedDecode:
         self.rope_keys = list(dict.fromkeys(types))
         self.layer_rope = [self.rope_keys.index(t) for t in types]
         self._bound: _Bound | None = None
+        self.burst_op = decode_layers_ops().decode_burst
+        self.kernels["argmax_rows"] = fused_ops().kernel_addresses()["argmax_rows"]
+        self.head: _Head | None = None
+        self.softcap = 0.0
+
+    def bind_head(self, head, softcap: float | None = None) -> None:
+        """The logits head for `burst` (the model's packed logits linear, then Gemma's final
+        softcap, tanh(logits / cap) * cap, when given): taken when it runs the layers' kernel (so a
+        burst's logits are compute_logits' bits), else bursts stay off."""
+        self.head = _Head.of(head, self.dtype, self.kernels["linear"] == _address(self.dtype))
+        self.softcap = float(softcap or 0.0)
 
     @classmethod
     def for_model(cls, model) -> FusedDecode | None:
@@ -194,3 +234,32 @@ class FusedDecode:
                        tables, windows, self.layer_space, meta.context_lens, [t for rope in ropes for t in rope],
                        self.layer_rope, self.heads, self.kv_heads, self.head_dim, meta.page_size, self.scale,
                        self.eps, self.final_norm, self.final_eps, self.gemma3, self.embed_scale)
+
+    def burst_takes(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether `burst` runs these decodes: the step itself is one `takes` accepts, and the
+        logits head runs the same kernel for this many rows."""
+        head = self.head
+        return (head is not None and (head.max_rows is None or input_ids.shape[0] <= head.max_rows)
+                and self.takes(input_ids, meta))
+
+    def burst(self, input_ids: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
+              metas: list[AttentionMetadata]) -> torch.Tensor:
+        """len(metas) greedy decode steps from input_ids in one call: the tokens [steps, T] that
+        the step-by-step path (forward, compute_logits, the sampler's greedy argmax) would pick,
+        bit for bit. metas[j] is step j's metadata (its pages allocated), ropes the (cos, sin)
+        of every step's positions, step-major ([steps * T, 1, D]), one per rope_keys entry.
+        Call after burst_takes(input_ids, metas[0])."""
+        last = metas[-1]
+        tables, slots, windows = [], [], []
+        for space in self.spaces:
+            bt = last.spaces[space].block_table  # the widest: it covers every step's pages
+            tables.append(bt if bt.dtype == torch.int32 else bt.to(torch.int32))
+            slots.append(torch.stack([m.spaces[space].slot_mapping for m in metas]))
+            w = last.spaces[space].window
+            windows.append(-1 if w is None else w)
+        head = self.head
+        return self.burst_op(len(metas), input_ids, self.embedding, self.kernels, self.weights, self.out_features,
+                             self._bound.caches, tables, slots, windows, self.layer_space, metas[0].context_lens,
+                             [t for rope in ropes for t in rope], self.layer_rope, self.heads, self.kv_heads,
+                             self.head_dim, metas[0].page_size, self.scale, self.eps, self.final_norm, self.final_eps,
+                             self.gemma3, self.embed_scale, head.weight, head.bias, head.out_features, self.softcap)

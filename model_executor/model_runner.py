@@ -13,6 +13,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from hybridkv.attention_backends.metadata import StepSequences, int_array
@@ -254,6 +255,42 @@ class ModelRunner:
                 res.top_logprobs[i],
             )
         return out
+
+    @torch.inference_mode()
+    def execute_burst(self, batch: ModelInput, steps: int) -> dict[str, list[int]] | None:
+        """`steps` greedy decode steps of a batch of decodes in one model call (the engine's
+        num_scheduler_steps; it allocated every step's pages and checked the requests sample
+        greedily): each request's `steps` tokens, the ones `steps` calls of execute() would give.
+        None where the model has no such path for this batch; the engine then runs one step."""
+        items = batch.sequences
+        if (self.device.type != "cpu" or self.captured_logits is not None or self.host_cache is not None
+                or any(s.end - s.start != 1 for s in items)):
+            return None
+        kv, P = self.kv, self.kv.page_size
+        request_ids = [s.request_id for s in items]
+        ctx0 = [s.end for s in items]
+        rows = torch.from_numpy(int_array(kv.rows_of(request_ids)))
+        pages = -(-(max(ctx0) + steps - 1) // P)  # the last step's: the tables serve every step
+        tables = {}
+        for name in self.windows:
+            bt = kv.block_tables[name]
+            tables[name] = bt.rows(rows, min(pages, bt.width))
+        query_lens = [1] * len(items)
+        metas, positions = [], []
+        for j in range(steps):
+            seqs = StepSequences(query_lens, [c + j for c in ctx0], tables, request_ids,
+                                 decode_tiles=self.backend.needs_decode_tiles)
+            meta = self.model.build_attention_metadata(seqs, self.windows, P)
+            if self.debug_checks:
+                self.check_no_null_page_writes(meta)
+            metas.append(meta)
+            positions.append(seqs.token_rows[1])
+        ids = torch.tensor([s.token_ids[0] for s in items], dtype=torch.long)
+        tokens = self.model.decode_burst(ids, torch.from_numpy(np.concatenate(positions)), metas)
+        if tokens is None:
+            return None
+        by_sequence = tokens.t().tolist()
+        return {s.request_id: by_sequence[i] for i, s in enumerate(items)}
 
     @staticmethod
     def sampled(items: list[ScheduledSequence]) -> tuple[list[ScheduledSequence], list[int]]:

@@ -155,6 +155,13 @@ def _min_tokens_active(p: SamplingParams, num_output: int) -> bool:
     return num_output < p.min_tokens and bool(p.all_stop_token_ids)
 
 
+def plain_greedy(p: SamplingParams, num_output: int) -> bool:
+    """Whether a row with num_output tokens so far gets the plain argmax of its logits, and
+    nothing else the sampler computes is read (no logprobs), now and at every later step
+    (min_tokens, once reached, stays reached). The engine's decode bursts ask."""
+    return p.greedy and p.logprobs is None and not _has_penalties(p) and not _min_tokens_active(p, num_output)
+
+
 def _apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
     """Forbid every stop token (EOS included) until the row has generated min_tokens tokens."""
     vocab = logits.shape[1]
@@ -385,7 +392,7 @@ class Sampler:
                 f"Sampler: expected logits [B, V] with B = {len(batch)} rows, got {tuple(logits.shape)}"
             )
         no_logprobs = all(p.logprobs is None for p in batch.params)
-        if no_logprobs and all(p.greedy for p in batch.params) and not _needs_processing(batch):
+        if all(plain_greedy(p, len(out)) for p, out in zip(batch.params, batch.output_token_ids)):
             # Plain greedy: the argmax of the logits in their own dtype (widening bf16 to float32
             # is exact and keeps the order, so it picks the same token) without a float32 copy.
             return SamplerOutput(token_ids=greedy_tokens(logits).tolist(), sampled_logprobs=None,

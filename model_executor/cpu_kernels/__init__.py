@@ -57,11 +57,12 @@ def blocked_linear_ops() -> ModuleType | None:
 
 @functools.lru_cache(maxsize=1)
 def decode_layers_ops() -> ModuleType | None:
-    """decode_layers.cpp compiled (`decode_layers`): a Llama-family decode step through every
-    layer in one call, calling the other modules' kernels by address (fused_decode.py), or None
-    when it cannot be built here."""
+    """decode_layers.cpp compiled (`decode_layers`: a Llama-family decode step through every
+    layer in one call, calling the other modules' kernels by address (fused_decode.py);
+    `decode_burst`: several greedy steps of it with the logits head and argmax in between), or
+    None when it cannot be built here."""
     return build_cpu_extension("hybridkv_decode_layers", Path(__file__).with_name("decode_layers.cpp"),
-                               ["decode_layers"], "CPU fused decode layers")
+                               ["decode_layers", "decode_burst"], "CPU fused decode layers")
 
 
 @functools.lru_cache(maxsize=1)

@@ -479,5 +479,6 @@ std::unordered_map<std::string, int64_t> kernel_addresses() {
   return {{"rms_norm", reinterpret_cast<int64_t>(&rms_norm)},
           {"add_rms_norm", reinterpret_cast<int64_t>(&add_rms_norm)},
           {"rotary", reinterpret_cast<int64_t>(&rotary)},
-          {"silu_and_mul", reinterpret_cast<int64_t>(&silu_and_mul)}};
+          {"silu_and_mul", reinterpret_cast<int64_t>(&silu_and_mul)},
+          {"argmax_rows", reinterpret_cast<int64_t>(&argmax_rows)}};
 }

@@ -30,7 +30,7 @@ class CausalLM(nn.Module):
     (attention_layers(): modules with .space, .num_kv_heads, .head_dim and k_cache / v_cache /
     backend slots) each keep one K and one V per token in one space:
       default_block_size, allocate_kv_cache, build_attention_metadata, cast_to, pack_weights,
-      step_cost.
+      step_cost, decode_burst.
     """
 
     # The page size this model prefers when the user leaves block_size at the engine default;
@@ -82,6 +82,15 @@ class CausalLM(nn.Module):
     ) -> AttentionMetadata:
         """Per-step metadata shared by every layer (slot mappings, decode tiles, prefill chunks)."""
         return build_attention_metadata(seqs, windows, page_size)
+
+    def decode_burst(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     metas: list[AttentionMetadata]) -> torch.Tensor | None:
+        """len(metas) greedy decode steps in one call: the sampled tokens [steps, T], exactly
+        those forward + compute_logits + a greedy argmax would give step by step; positions
+        [steps * T] step-major, metas[j] step j's metadata with its pages allocated. None (the
+        default) where the model has no such path for these decodes: the runner steps one at a
+        time."""
+        return None
 
     def token_params(self) -> int:
         """Parameters every token multiplies: all but embedding tables and the logits head

@@ -108,8 +108,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         and a step the fused decode takes runs in one C++ call (the path below's bits)."""
         fused = self._fused_decode
         if fused is not None and fused.takes(input_ids, meta):
-            ropes = [self.rotary_emb[t].lookup(positions, fused.dtype) for t in fused.rope_keys]
-            hidden = fused(input_ids, ropes, meta)
+            hidden = fused(input_ids, self.fused_ropes(positions, fused), meta)
             return hidden if output_rows is None else hidden[output_rows]
         hidden = self.embed_tokens(input_ids)
         # transformers rounds the scale to the weight dtype before multiplying (matters in bf16).
@@ -119,6 +118,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         for i, layer in enumerate(self.layers):
             hidden = layer.forward(ropes[layer.layer_type], hidden, meta, output_rows if i == last else None)
         return self.norm.forward(hidden)
+
+    def fused_ropes(self, positions: torch.Tensor, fused) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self.rotary_emb[t].lookup(positions, fused.dtype) for t in fused.rope_keys]
+
+    def logits_softcap(self) -> float | None:
+        return self.final_logit_softcapping
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

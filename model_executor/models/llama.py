@@ -184,7 +184,7 @@ class LlamaForCausalLM(CausalLM):
         fused = self._fused_decode
         if fused is not None and fused.takes(input_ids, meta):
             # Embedding, layers and final norm in one C++ call: the path below's bits.
-            hidden = fused(input_ids, [self.rotary_emb.lookup(positions, fused.dtype)], meta)
+            hidden = fused(input_ids, self.fused_ropes(positions, fused), meta)
             return hidden if output_rows is None else hidden[output_rows]
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary_emb.lookup(positions, hidden.dtype)
@@ -192,6 +192,23 @@ class LlamaForCausalLM(CausalLM):
         for i, layer in enumerate(self.layers):
             hidden, residual = layer.forward(rope, hidden, residual, meta, output_rows if i == last else None)
         return self.norm.add_forward(hidden, residual)[1]
+
+    def decode_burst(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     metas: list[AttentionMetadata]) -> torch.Tensor | None:
+        """Several greedy decode steps in one C++ call (FusedDecode.burst), where the fused decode
+        takes the step and the logits head runs its linear kernel; else None."""
+        fused = self._fused_decode
+        if fused is None or not fused.burst_takes(input_ids, metas[0]):
+            return None
+        return fused.burst(input_ids, self.fused_ropes(positions, fused), metas)
+
+    def fused_ropes(self, positions: torch.Tensor, fused: FusedDecode) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (cos, sin) of `positions` for each of the fused decode's RoPE tables."""
+        return [self.rotary_emb.lookup(positions, fused.dtype)]
+
+    def logits_softcap(self) -> float | None:
+        """The cap compute_logits applies after the head (Gemma's), or None."""
+        return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._packed_logits is not None:
@@ -214,6 +231,8 @@ class LlamaForCausalLM(CausalLM):
         packed_head = None if self.lm_head is None else packed_forward(self.lm_head)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self._packed_logits = packed_head if packed_head is not None else fast_linear(weight, arena=arena)
+        if self._fused_decode is not None:
+            self._fused_decode.bind_head(self._packed_logits, self.logits_softcap())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def rename(name: str) -> str | None:
