@@ -92,8 +92,9 @@ class EngineConfig:
     hisparse_config: str | dict | None = None  # JSON or dict: {"hot_buffer_size": ..., "mirror_bytes": ...}
     # Greedy decode steps per model call (vLLM's name): a step of plain greedy decodes, with
     # nobody waiting and no tier below the device, runs up to this many steps in one C++ call
-    # (engine/decode_burst.py). None = 8 without a step target (offline), 1 with one (a burst is
-    # that many steps' time, and a streamed client would get its tokens that many at a time).
+    # (engine/decode_burst.py). None = 8 without a step target (offline), 1 with one or under the
+    # async engine (`serve`): a burst is that many steps' time, a stream would get its tokens that
+    # many at a time and a new request would wait that many steps for admission.
     num_scheduler_steps: int | None = None
     # CPU compute threads (torch.set_num_threads, process-wide, set when the engine starts).
     # None = torch's default: OMP_NUM_THREADS when set, else one per core.

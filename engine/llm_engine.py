@@ -510,8 +510,8 @@ class LLMEngine:
 
     # -- decode bursts (num_scheduler_steps; engine/decode_burst.py) --------------------------------
     def _burst_steps(self, sched: SchedulerOutput) -> int:
-        if (self.burst_limit <= 1 or sched.preempted or self.runner.host_cache is not None
-                or self.storage is not None or self.kv.hisparse is not None):
+        if (self.burst_limit <= 1 or sched.preempted or self.storage is not None or self.kv.hisparse is not None
+                or not self.runner.burst_fits(len(sched.scheduled))):
             return 1
         return burst_steps(self.burst_limit, [s.request for s in sched.scheduled],
                            [s.num_new_tokens for s in sched.scheduled], self.scheduler.num_running,

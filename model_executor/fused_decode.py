@@ -235,12 +235,17 @@ class FusedDecode:
                        self.layer_rope, self.heads, self.kv_heads, self.head_dim, meta.page_size, self.scale,
                        self.eps, self.final_norm, self.final_eps, self.gemma3, self.embed_scale)
 
+    def burst_rows(self) -> int:
+        """Most decodes a burst takes: the head's and the layers' row limits (0: no head bound)."""
+        if self.head is None:
+            return 0
+        limits = [n for n in (self.head.max_rows, self.max_rows) if n is not None]
+        return min(limits) if limits else 1 << 30
+
     def burst_takes(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether `burst` runs these decodes: the step itself is one `takes` accepts, and the
         logits head runs the same kernel for this many rows."""
-        head = self.head
-        return (head is not None and (head.max_rows is None or input_ids.shape[0] <= head.max_rows)
-                and self.takes(input_ids, meta))
+        return input_ids.shape[0] <= self.burst_rows() and self.takes(input_ids, meta)
 
     def burst(self, input_ids: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
               metas: list[AttentionMetadata]) -> torch.Tensor:

@@ -256,6 +256,12 @@ class ModelRunner:
             )
         return out
 
+    def burst_fits(self, num_decodes: int) -> bool:
+        """Whether execute_burst can run this many decodes here (asked before their pages are
+        allocated): the model's burst path takes them, and nothing execute_burst refuses is on."""
+        return (self.device.type == "cpu" and self.captured_logits is None and self.host_cache is None
+                and 0 < num_decodes <= self.model.decode_burst_rows())
+
     @torch.inference_mode()
     def execute_burst(self, batch: ModelInput, steps: int) -> dict[str, list[int]] | None:
         """`steps` greedy decode steps of a batch of decodes in one model call (the engine's
@@ -263,8 +269,7 @@ class ModelRunner:
         greedily): each request's `steps` tokens, the ones `steps` calls of execute() would give.
         None where the model has no such path for this batch; the engine then runs one step."""
         items = batch.sequences
-        if (self.device.type != "cpu" or self.captured_logits is not None or self.host_cache is not None
-                or any(s.end - s.start != 1 for s in items)):
+        if not self.burst_fits(len(items)) or any(s.end - s.start != 1 for s in items):
             return None
         kv, P = self.kv, self.kv.page_size
         request_ids = [s.request_id for s in items]

@@ -83,6 +83,11 @@ class CausalLM(nn.Module):
         """Per-step metadata shared by every layer (slot mappings, decode tiles, prefill chunks)."""
         return build_attention_metadata(seqs, windows, page_size)
 
+    def decode_burst_rows(self) -> int:
+        """Most decodes decode_burst may take at once (0: it takes none). The engine asks before
+        it allocates a burst's pages."""
+        return 0
+
     def decode_burst(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      metas: list[AttentionMetadata]) -> torch.Tensor | None:
         """len(metas) greedy decode steps in one call: the sampled tokens [steps, T], exactly

@@ -202,6 +202,10 @@ class LlamaForCausalLM(CausalLM):
             return None
         return fused.burst(input_ids, self.fused_ropes(positions, fused), metas)
 
+    def decode_burst_rows(self) -> int:
+        fused = self._fused_decode
+        return 0 if fused is None else fused.burst_rows()
+
     def fused_ropes(self, positions: torch.Tensor, fused: FusedDecode) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The (cos, sin) of `positions` for each of the fused decode's RoPE tables."""
         return [self.rotary_emb.lookup(positions, fused.dtype)]
