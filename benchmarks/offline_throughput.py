@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 
 import hybridkv  # noqa: F401  (before torch: the OpenMP runtime the CLI gets, see hybridkv/openmp_runtime.py)
 import torch  # noqa: E402
@@ -46,10 +48,24 @@ def hybridkv_runs(args, w):
             llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens), use_tqdm=False)
         return median_time(run, args.repeats)
 
+    def timed_beside_probes(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
+        """As timed, with a copy-bandwidth probe right before and right after each run: (median
+        seconds, [(seconds, the higher of its two probes)])."""
+        runs = []
+        for _ in range(args.repeats):
+            before = roofline.copy_bandwidth()
+            llm.reset_prefix_cache()
+            t = time.perf_counter()
+            llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens), use_tqdm=False)
+            seconds = time.perf_counter() - t
+            runs.append((seconds, max(before, roofline.copy_bandwidth())))
+        return statistics.median(r[0] for r in runs), runs
+
     a, b, c, d = w["a_single_decode"], w["b_batch32"], w["c_prefill1024"], w["d_shared_prefix"]
     llm = engine()
+    a_seconds, a_runs = timed_beside_probes(llm, [a["prompt_ids"]], a["max_tokens"])
     res = {
-        "a_decode": timed(llm, [a["prompt_ids"]], a["max_tokens"]),
+        "a_decode": a_seconds,
         "b_batch32": timed(llm, b["prompts_ids"], b["max_tokens"]),
         "c_prefill": timed(llm, [c["prompt_ids"]], 1),
         "d_prefix_on": timed(llm, d["prompts_ids"], d["max_tokens"]),
@@ -63,7 +79,7 @@ def hybridkv_runs(args, w):
     llm = None
     llm = engine(enable_prefix_caching=False)
     res["d_prefix_off"] = timed(llm, d["prompts_ids"], d["max_tokens"])
-    return res, model_dir, dtype
+    return res, model_dir, dtype, a_runs
 
 
 def hf_runs(args, w, model_dir, dtype: torch.dtype):
@@ -128,7 +144,7 @@ def main() -> None:
         "d_prefix_on_lpm": None,
         "d_prefix_off": None,
     }
-    ours, model_dir, dtype = hybridkv_runs(args, w)
+    ours, model_dir, dtype, a_runs = hybridkv_runs(args, w)
     # The roofline is probed twice, right after hybridkv's runs and at the end: these VMs drift
     # between phases (copy bandwidth 23.8 vs 35.2 GB/s in two passes an hour apart on one), and
     # the higher of each pair is the limit, so a slow phase cannot flatter the "of limit" column.
@@ -181,6 +197,13 @@ def main() -> None:
         print(f"prefill against the vector FMA peak (the ceiling above the GEMM line): {peak / 1e9:.0f} GFLOP/s; "
               f"c_prefill at {of_peak(ours['c_prefill'])} of it (hybridkv)"
               + (f", {of_peak(peer['c_prefill'])} (vLLM-CPU)" if "c_prefill" in peer else ""))
+    # The same phase: each a run against the copy probes taken just before and after it (the VM's
+    # bandwidth moves by 1.5x within minutes, so a line probed minutes away can flatter or
+    # understate a run).
+    fractions = [work["a_decode"] / seconds / cost.decode_limit(bw, gemm) for seconds, bw in a_runs]
+    print("a_decode against a copy probe beside each run (the higher of one just before and one just after): "
+          + ", ".join(f"{f:.2f} at {bw / 1e9:.1f} GB/s" for f, (_, bw) in zip(fractions, a_runs))
+          + f"; median {statistics.median(fractions):.2f}")
     read_limit = cost.decode_limit(read, gemm)
     print(f"decode against the read line (diagnostic): read {read / 1e9:.1f} GB/s -> <= {read_limit:.1f} tok/s "
           f"at batch 1; a_decode {work['a_decode'] / ours['a_decode'] / read_limit:.2f} of it")
