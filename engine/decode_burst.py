@@ -4,9 +4,10 @@ A decode step of a small model on the CPU is its weight stream plus the Python a
 scheduler, the step's metadata, the sampler, the stop checks and the outputs. That Python runs
 on caches the weight stream has just emptied: single-stream, the demo model in bf16 on a 2-core
 Zen 4, ~0.8-1.0 ms of an 8-10 ms step outside the layers and the logits (a whole step of a
-one-layer model of the same vocabulary, everything warm, takes ~0.26 ms). A burst runs k steps in one C++ call (FusedDecode.burst: the layers, the logits head and
-the greedy argmax, k times) and the engine then books the tokens one step at a time, so every
-request's tokens, stops, pages and outputs are those k single steps would have given.
+one-layer model of the same vocabulary, everything warm, takes ~0.26 ms). A burst runs k steps
+in one C++ call (FusedDecode.burst: the layers, the logits head and the greedy argmax, k times)
+and the engine then books the tokens one step at a time, so every request's tokens, stops, pages
+and outputs are those k single steps would have given.
 
 A burst is taken only where k single steps would have done nothing but decode greedily:
 - every scheduled request is a decode, every running request is scheduled, none was preempted
