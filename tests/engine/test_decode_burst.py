@@ -4,19 +4,15 @@ time; a schedule a burst cannot run exactly as single steps would runs one step.
 import pytest
 import torch
 
+from hybridkv.engine.async_llm_engine import AsyncLLMEngine
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.decode_burst import burst_steps
 from hybridkv.entrypoints import LLM, SamplingParams
 from hybridkv.model_executor.fused_decode import FusedDecode
 
-CASES = {
-    "llama": ("llama", {}),
-    "qwen3 (per-head q/k norms)": ("qwen3", {}),
-    "mistral (every layer windowed)": ("mistral", {}),
-    "qwen2, a full and a windowed layer (two block spaces)": (
-        "qwen2", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1}),
-    "gemma3 (two RoPE tables and block spaces, the final softcap)": ("gemma3_text", {}),
-}
+from fused_decode_cases import FUSED_DECODE_CASES
+
+CASES = FUSED_DECODE_CASES
 
 
 def _engines(path: str, dtype: str, steps: int) -> tuple[LLM, LLM]:
@@ -100,6 +96,14 @@ def test_schedules_a_burst_does_not_take(tiny_ckpt, monkeypatch):
     # A step target (serve's default) turns bursts off unless asked for.
     served = LLM(path, dtype="float32", max_model_len=256, target_step_seconds=0.5)
     assert served.engine.burst_limit == 1
+    # The async engine (the server) keeps one step a call unless the config asks for bursts.
+    for steps, expected in ((None, 1), (4, 4)):
+        engine = AsyncLLMEngine.from_config(EngineConfig(model=path, dtype="float32", max_model_len=256,
+                                                         num_scheduler_steps=steps))
+        try:
+            assert engine.engine.burst_limit == expected
+        finally:
+            engine.shutdown()
 
 
 def test_burst_length_follows_the_requests(tiny_ckpt):

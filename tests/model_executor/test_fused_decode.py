@@ -8,6 +8,8 @@ from hybridkv.entrypoints import LLM, SamplingParams
 from hybridkv.model_executor import fused_decode
 from hybridkv.model_executor.fused_decode import FusedDecode
 
+from fused_decode_cases import FUSED_DECODE_CASES
+
 
 def _logits(llm: LLM, prompts: list[list[int]], max_tokens: int, fused: bool) -> list[torch.Tensor]:
     """Every logits row per prompt (the prompt's rows, then one per decode step), with the
@@ -26,15 +28,7 @@ def _logits(llm: LLM, prompts: list[list[int]], max_tokens: int, fused: bool) ->
         model._fused_decode = saved
 
 
-CASES = {
-    "llama": ("llama", {}),
-    "qwen2 (q/k/v biases)": ("qwen2", {}),
-    "qwen3 (per-head q/k norms)": ("qwen3", {}),
-    "mistral (every layer windowed)": ("mistral", {}),
-    "qwen2, a full and a windowed layer (two block spaces)": (
-        "qwen2", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1}),
-    "gemma3 (unit-offset sandwich norms, GELU-tanh, two RoPE tables and block spaces)": ("gemma3_text", {}),
-}
+CASES = FUSED_DECODE_CASES
 
 
 @pytest.mark.parametrize("case", list(CASES))
