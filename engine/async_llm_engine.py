@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.decode_burst import burst_limit
 from hybridkv.engine.llm_engine import LLMEngine, PromptType
 from hybridkv.engine.outputs import RequestOutput
 from hybridkv.engine.sampling_params import SamplingParams
@@ -250,10 +251,9 @@ class AsyncLLMEngine:
         if max_queued_requests is not None and max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1 or None, got {max_queued_requests}")
         self.max_queued_requests = max_queued_requests
-        if engine.config.num_scheduler_steps is None:
-            # A server streams: a burst of k steps would hand each stream k tokens at once and
-            # admit new requests k steps late. Bursts only where the config asks for them.
-            engine.burst_limit = 1
+        # A server streams: bursts only where the config asks for them (engine/decode_burst.py).
+        engine.burst_limit = burst_limit(engine.config.num_scheduler_steps, engine.config.target_step_seconds,
+                                         streaming=True)
         self.num_rejected_queue_full = 0  # engine thread writes, metrics read (an int: atomic)
         self.engine = engine  # owned by the engine thread from here on; use call() to inspect it
         self.tokenizer = engine.tokenizer  # read-only use (encode/decode) is safe across threads

@@ -24,8 +24,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hybridkv.engine.config import DEFAULT_SCHEDULER_STEPS
 from hybridkv.engine.request import Request
 from hybridkv.model_executor.sampler import plain_greedy
+
+
+def burst_limit(num_scheduler_steps: int | None, target_step_seconds: float | str | None, streaming: bool) -> int:
+    """The most steps a call may run (EngineConfig.num_scheduler_steps resolved): as set, else
+    DEFAULT_SCHEDULER_STEPS offline, and 1 under a step-time target or for a server that streams
+    (a burst of k steps hands each stream k tokens at once and admits new requests k steps late)."""
+    if num_scheduler_steps is not None:
+        return num_scheduler_steps
+    return 1 if streaming or target_step_seconds is not None else DEFAULT_SCHEDULER_STEPS
 
 
 def burst_steps(limit: int, scheduled: Sequence[Request], num_new_tokens: Sequence[int], num_running: int,

@@ -21,9 +21,9 @@ from hybridkv import OPENMP_RUNTIME
 from hybridkv.block_manager.kv_cache_manager import KVCacheManager, windowed_live_pages
 from hybridkv.block_manager.space_spec import SpaceSpec
 from hybridkv.engine.config import (
-    DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_CAP_BYTES, DEFAULT_SCHEDULER_STEPS, EngineConfig, resolve_device,
+    DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_CAP_BYTES, EngineConfig, resolve_device,
 )
-from hybridkv.engine.decode_burst import burst_steps
+from hybridkv.engine.decode_burst import burst_limit, burst_steps
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
 from hybridkv.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from hybridkv.engine.request import Request, RequestStatus
@@ -179,10 +179,8 @@ class LLMEngine:
         self._sequence_counter = itertools.count()  # internal sequence ids (_new_sequence_id)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "burst_calls": 0}
         # Decode steps per model call (engine/decode_burst.py); off under a step-time target.
-        steps = config.num_scheduler_steps
-        if steps is None:
-            steps = DEFAULT_SCHEDULER_STEPS if config.target_step_seconds is None else 1
-        self.burst_limit = steps
+        # AsyncLLMEngine resolves it again as a streaming server.
+        self.burst_limit = burst_limit(config.num_scheduler_steps, config.target_step_seconds, streaming=False)
         # Host tier copies the runner executed: bytes each way and seconds spent.
         self.tier_stats = {"load_back_bytes": 0, "write_back_bytes": 0, "transfer_seconds": 0.0}
         self._load_seconds_seen = 0.0  # host_cache.load_seconds already counted in transfer_seconds

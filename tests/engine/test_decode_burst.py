@@ -6,7 +6,8 @@ import torch
 
 from hybridkv.engine.async_llm_engine import AsyncLLMEngine
 from hybridkv.engine.config import EngineConfig
-from hybridkv.engine.decode_burst import burst_steps
+from hybridkv.engine.config import DEFAULT_SCHEDULER_STEPS
+from hybridkv.engine.decode_burst import burst_limit, burst_steps
 from hybridkv.entrypoints import LLM, SamplingParams
 from hybridkv.model_executor.fused_decode import FusedDecode
 
@@ -129,6 +130,18 @@ def test_burst_length_follows_the_requests(tiny_ckpt):
     finally:
         engine.abort_request("a")
         engine.abort_request("b")
+
+
+def test_one_rule_resolves_the_default_number_of_steps():
+    """burst_limit, which both LLMEngine and AsyncLLMEngine ask: a set value stands everywhere;
+    None is DEFAULT_SCHEDULER_STEPS offline, 1 under a step target ("auto" included) or streaming."""
+    assert burst_limit(None, None, streaming=False) == DEFAULT_SCHEDULER_STEPS > 1
+    assert burst_limit(None, 0.25, streaming=False) == 1
+    assert burst_limit(None, "auto", streaming=False) == 1
+    assert burst_limit(None, None, streaming=True) == 1
+    for streaming in (False, True):
+        assert burst_limit(3, "auto", streaming=streaming) == 3
+        assert burst_limit(1, None, streaming=streaming) == 1
 
 
 def test_num_scheduler_steps_is_checked():
