@@ -3,6 +3,7 @@ validation errors surface before any output, and a fatal step error fails reques
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -155,6 +156,12 @@ def test_fatal_step_error_fails_all_requests_and_marks_engine_dead(engine):
 
 
 def test_shutdown_fails_in_flight_streams_and_joins_the_thread(engine):
+    # The tiny model runs its 100 steps in ~0.1 s, and on a loaded machine the engine thread once
+    # finished them all before the shutdown got through (CI: "DID NOT RAISE"). 10 ms a step keeps
+    # the stream in flight when the shutdown lands, which is what this test is about.
+    inner_step = engine.engine.step
+    engine.engine.step = lambda: time.sleep(0.01) or inner_step()
+
     async def run():
         stream = await engine.add_request("s", "the quick brown fox", _params(max_tokens=100))
         await stream.__anext__()
