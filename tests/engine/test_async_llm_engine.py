@@ -19,6 +19,18 @@ def _params(kind: RequestOutputKind = RequestOutputKind.DELTA, **kw) -> Sampling
     return SamplingParams(temperature=0, max_tokens=kw.pop("max_tokens", 8), ignore_eos=True, output_kind=kind, **kw)
 
 
+def _slow_steps(engine: AsyncLLMEngine, seconds: float = 0.01) -> None:
+    """Each step of `engine` takes `seconds` longer. The tiny model runs a 100-token stream in
+    ~0.1 s, and on a loaded machine its engine thread once finished all of it before a shutdown
+    sent after the first token got through (CI: "DID NOT RAISE"). Tests about what happens to a
+    stream in flight use this so that it surely is."""
+    def install(e):
+        real = e.step
+        e.step = lambda: time.sleep(seconds) or real()  # instance attribute: only this engine
+
+    engine.call_threadsafe(install).result(10)
+
+
 @pytest.fixture
 def engine(tiny_ckpt):
     eng = AsyncLLMEngine.from_config(EngineConfig(model=tiny_ckpt("llama"), max_model_len=128))
@@ -108,6 +120,8 @@ def test_cancelled_consumer_task_aborts_its_request(engine):
 
 
 def test_abort_by_id_from_outside_ends_the_stream_with_request_aborted(engine):
+    _slow_steps(engine)
+
     async def run():
         stream = await engine.add_request("ext", "the quick brown fox", _params(max_tokens=100))
         await stream.__anext__()
@@ -156,11 +170,7 @@ def test_fatal_step_error_fails_all_requests_and_marks_engine_dead(engine):
 
 
 def test_shutdown_fails_in_flight_streams_and_joins_the_thread(engine):
-    # The tiny model runs its 100 steps in ~0.1 s, and on a loaded machine the engine thread once
-    # finished them all before the shutdown got through (CI: "DID NOT RAISE"). 10 ms a step keeps
-    # the stream in flight when the shutdown lands, which is what this test is about.
-    inner_step = engine.engine.step
-    engine.engine.step = lambda: time.sleep(0.01) or inner_step()
+    _slow_steps(engine)
 
     async def run():
         stream = await engine.add_request("s", "the quick brown fox", _params(max_tokens=100))
