@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from hybridkv.engine.async_llm_engine import AsyncLLMEngine
-from hybridkv.engine.config import EngineConfig
-from hybridkv.engine.config import DEFAULT_SCHEDULER_STEPS
+from hybridkv.engine.config import DEFAULT_SCHEDULER_STEPS, EngineConfig
 from hybridkv.engine.decode_burst import burst_limit, burst_steps
 from hybridkv.entrypoints import LLM, SamplingParams
 from hybridkv.model_executor.fused_decode import FusedDecode
