@@ -41,12 +41,13 @@ def hybridkv_runs(args, w):
         llm.generate([{"prompt_token_ids": p} for p in w["warmup"]["prompts_ids"]], greedy(8), use_tqdm=False)
         return llm
 
+    def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> None:
+        # Every timed run starts from an empty prefix cache (only d's repeats would hit otherwise).
+        llm.reset_prefix_cache()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens), use_tqdm=False)
+
     def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
-        def run():
-            # Every timed run starts from an empty prefix cache (only d's repeats would hit otherwise).
-            llm.reset_prefix_cache()
-            llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens), use_tqdm=False)
-        return median_time(run, args.repeats)
+        return median_time(lambda: run(llm, prompts, max_tokens), args.repeats)
 
     def timed_beside_probes(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
         """As timed, with a copy-bandwidth probe right before and right after each run: (median
@@ -54,9 +55,8 @@ def hybridkv_runs(args, w):
         runs = []
         for _ in range(args.repeats):
             before = roofline.copy_bandwidth()
-            llm.reset_prefix_cache()
             t = time.perf_counter()
-            llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens), use_tqdm=False)
+            run(llm, prompts, max_tokens)
             seconds = time.perf_counter() - t
             runs.append((seconds, max(before, roofline.copy_bandwidth())))
         return statistics.median(r[0] for r in runs), runs

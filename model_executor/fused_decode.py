@@ -236,7 +236,8 @@ class FusedDecode:
                        self.eps, self.final_norm, self.final_eps, self.gemma3, self.embed_scale)
 
     def burst_rows(self) -> int:
-        """Most decodes a burst takes: the head's and the layers' row limits (0: no head bound)."""
+        """Most decodes a burst takes: the head's and the layers' row limits (0: no head is bound,
+        so no burst runs)."""
         if self.head is None:
             return 0
         limits = [n for n in (self.head.max_rows, self.max_rows) if n is not None]
