@@ -63,6 +63,9 @@ class StepSequences:
     # the block tables in place (the CPU paged kernel, Triton, xformers): the runner sets it from
     # the backend's needs_decode_tiles, so a step never pays for a plan nobody reads.
     decode_tiles: bool = True
+    # How many leading sequences form the decode group; None: every leading one-query sequence.
+    # The runner leaves a prompt's one-token chunk out of it (model_runner.decodes_first).
+    decodes: int | None = None
 
     @classmethod
     def from_page_lists(
@@ -77,7 +80,12 @@ class StepSequences:
 
     @cached_property
     def num_decodes(self) -> int:
-        """Leading one-query sequences (the step's decode group)."""
+        """Leading sequences of the step's decode group: `decodes`, or else every leading
+        one-query sequence."""
+        if self.decodes is not None:
+            if self.query_lens[: self.decodes].count(1) != self.decodes:
+                raise ValueError(f"decodes={self.decodes}: the decode group's sequences must have one query each")
+            return self.decodes
         q = self.query_lens
         n = q.count(1)  # C-speed passes: this runs every step over hundreds of sequences
         if q[:n].count(1) == n:

@@ -98,7 +98,7 @@ def build(layout, cached_tokens: int, running: int, steps: int, backend: TorchNa
     windows = runner.windows
 
     def metadata(model_input):
-        seqs = ModelRunner.step_sequences(runner, ModelRunner.decodes_first(model_input.sequences))
+        seqs = ModelRunner.step_sequences(runner, *ModelRunner.decodes_first(model_input.sequences))
         if hybrid is not None:
             return build_hybrid_metadata(seqs, hybrid)
         return build_attention_metadata(seqs, windows, P)

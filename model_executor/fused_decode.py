@@ -64,9 +64,9 @@ class _Head:
         if not same_kernel:
             return None
         if isinstance(head, PackedLinearWeight) and dtype == torch.bfloat16 and head.blocked is not None:
-            if head.blocked_rows <= 0:
+            if head.blocked_rows == 0:
                 return None
-            weight, rows = head.blocked_packed, head.blocked_rows
+            weight, rows = head.blocked_packed, head.blocked_rows  # None: every row count
         elif isinstance(head, BlockedLinearWeight) and dtype == torch.float32:
             weight, rows = head.packed, head.max_rows
         else:
@@ -175,9 +175,10 @@ class FusedDecode:
                          getattr(m, "down_proj", None)):
                 linear = None if proj is None else packed_forward(proj)
                 if (isinstance(linear, PackedLinearWeight) and dtype == torch.bfloat16 and linear.blocked is not None
-                        and linear.blocked_rows > 0):
+                        and linear.blocked_rows != 0):
                     kinds.add("blocked_linear_bf16")
-                    limits.append(linear.blocked_rows)
+                    if linear.blocked_rows is not None:
+                        limits.append(linear.blocked_rows)
                 elif isinstance(linear, BlockedLinearWeight) and dtype == torch.float32:
                     kinds.add("blocked_linear")
                     if linear.max_rows is not None:

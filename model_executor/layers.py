@@ -232,20 +232,25 @@ def skinny_linear_for(weight: torch.Tensor):
 #  - with AMX, oneDNN turns to the tiles from 16 rows. Intel AMX VM: 1 row 16.1 / 10.1, 4 rows
 #    16.2 / 12.4, 8 rows 16.0 / 15.4, 16 rows 16.5 / 24.3 (the kernel is bound by vdpbf16ps from
 #    there). (On such CPUs AmxLinearWeight takes every weight whose K is a multiple of 32.)
-#  - without AMX, oneDNN's own AVX512-BF16 kernels. 2-core AMD EPYC, family 25 model 17 (Zen 4),
-#    two runs each: 1 row 9.3 / 4.7-4.9, 4 rows 8.8 / 5.6-5.8, 16 rows 13.7-13.9 / 10.7-11.0,
-#    32 rows 21.8-22.3 / 18.2-18.3, 128 rows 71.5-72.1 / 63.7-64.2, 256 rows 128.6-129.9 /
-#    126.1-127.5, 512 rows 260.1-260.3 / 254.4-255.2, 1,024 rows 508.8-519.3 / 513.7-520.1.
-# Past the limit, oneDNN's packed copy.
+#  - without AMX, oneDNN's own AVX512-BF16 kernels, which the blocked kernel matches or beats at
+#    every row count, so it takes them all (None) and no oneDNN copy is made. 2-core AMD EPYC,
+#    family 25 model 17 (Zen 4), two runs each: 1 row 9.3 / 4.7-4.9, 4 rows 8.8 / 5.6-5.8, 16 rows
+#    13.7-13.9 / 10.7-11.0, 32 rows 21.8-22.3 / 18.2-18.3, 128 rows 71.5-72.1 / 63.7-64.2, 256 rows
+#    128.6-129.9 / 126.1-127.5, 512 rows 260.1-260.3 / 254.4-255.2, 1,024 rows 508.8-519.3 /
+#    513.7-520.1; a later sitting (qkv, o and down only, four alternating rounds) 513 rows
+#    133.6-139.8 / 126.8-135.8, 1,024 rows 266.2-277.2 / 257.2-260.5, 2,048 rows 517.6-544.7 /
+#    521.4-531.2. One kernel for every row count also keeps a row's bits independent of the rows
+#    beside it: with oneDNN past 512 rows, a bf16 prompt's tokens changed with the prompts batched
+#    beside it (tests/engine/test_batch_invariance.py).
 BLOCKED_MAX_ROWS_BF16_BESIDE_AMX = 4
-BLOCKED_MAX_ROWS_BF16 = 512
 
 
-def blocked_max_rows_bf16() -> int:
-    """Up to how many rows a bf16 PackedLinearWeight runs the vdpbf16ps kernel on this CPU."""
+def blocked_max_rows_bf16() -> int | None:
+    """Up to how many rows a bf16 PackedLinearWeight runs the vdpbf16ps kernel on this CPU
+    (None: every row count)."""
     from hybridkv.cpu_features import cpu_features
 
-    return BLOCKED_MAX_ROWS_BF16_BESIDE_AMX if "amx_bf16" in cpu_features().flags else BLOCKED_MAX_ROWS_BF16
+    return BLOCKED_MAX_ROWS_BF16_BESIDE_AMX if "amx_bf16" in cpu_features().flags else None
 
 
 def blocked_bf16_for(weight: torch.Tensor) -> ModuleType | None:
@@ -266,17 +271,21 @@ def _streamed(copy: torch.Tensor, arena: HugePageArena | None) -> torch.Tensor:
 class PackedLinearWeight:
     """A weight [N, K] prepacked for oneDNN; call it like F.linear(x, weight, bias). Inputs of
     up to `skinny_rows` rows (decode) go through cpu_kernels' skinny_linear when it is built here;
-    bf16 inputs of up to `blocked_rows` rows (blocked_max_rows_bf16) through the vdpbf16ps
-    blocked kernel where the CPU has AVX512-BF16 (one more copy of the weight: decode steps and
-    short chunks are where it pays)."""
+    bf16 inputs of up to `blocked_rows` rows (blocked_max_rows_bf16; None: every row count)
+    through the vdpbf16ps blocked kernel where the CPU has AVX512-BF16 (decode steps and short
+    chunks beside AMX, where it is one more copy of the weight; every input without AMX, where
+    oneDNN's copy is never made)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, arena: HugePageArena | None = None) -> None:
         self.out_features = weight.shape[0]
         self.weight, self.bias = weight.detach(), bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS_HINT)
         self.skinny, self.skinny_rows = skinny_linear_for(self.weight)
         self.blocked = blocked_bf16_for(self.weight)
         self.blocked_rows = 0 if self.blocked is None else blocked_max_rows_bf16()
+        # Where the blocked kernel takes every bf16 input, only an input of another dtype could
+        # reach oneDNN: it takes F.linear on the parameter instead of a second copy of the weight.
+        takes_all = self.blocked is not None and self.blocked_rows is None
+        self.packed = None if takes_all else torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS_HINT)
         if self.blocked is not None:
             self.blocked_packed = _streamed(self.blocked.pack_interleaved_linear_bf16(self.weight), arena)
             padded = self.blocked_packed.shape[0] * 16  # column blocks x 16
@@ -285,18 +294,21 @@ class PackedLinearWeight:
         # can hand silu(gate) * up from the vdpbf16ps kernel's registers (SiluAndMulMLP asks).
         self.fuses_silu = self.blocked is not None and self.out_features % 96 == 0
 
+    def _blocked_takes(self, x: torch.Tensor) -> bool:
+        return (self.blocked is not None and x.dtype == torch.bfloat16
+                and (self.blocked_rows is None or x.numel() <= self.blocked_rows * x.shape[-1]))
+
     def silu_fits(self, x: torch.Tensor) -> bool:
-        """Whether silu_and_mul(x) runs here (else the MLP takes self(x) and fused_ops' SiLU): up to
-        blocked_rows rows, and any number where the kernel serves BLOCKED_MAX_ROWS_BF16 (no AMX
-        beside it): 2-core Zen 4, the demo model's 576 -> 2 x 1,536 at 1,024 rows, fused 8.6-8.9
-        ms against oneDNN + silu_and_mul 9.2-9.7 (the plain kernel + silu_and_mul 9.0-9.2)."""
-        return x.dtype == torch.bfloat16 and (self.blocked_rows >= BLOCKED_MAX_ROWS_BF16
-                                              or x.numel() <= self.blocked_rows * x.shape[-1])
+        """Whether silu_and_mul(x) runs here (else the MLP takes self(x) and fused_ops' SiLU):
+        wherever self(x) takes the vdpbf16ps kernel. 2-core Zen 4, the demo model's 576 -> 2 x
+        1,536 at 1,024 rows, fused 8.6-8.9 ms against oneDNN + silu_and_mul 9.2-9.7 (the plain
+        kernel + silu_and_mul 9.0-9.2)."""
+        return self._blocked_takes(x)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this gate/up projection of bf16 `x`, bit for bit fused_ops'
         silu_and_mul of self(x) through the vdpbf16ps kernel, without writing and re-reading the
-        projection. (Past blocked_rows, self(x) would take oneDNN, whose bits may differ.)"""
+        projection."""
         shape = x.shape
         out = self.blocked.blocked_linear_silu_mul_bf16(x.reshape(-1, shape[-1]), self.blocked_packed,
                                                         self.padded_bias, self.out_features)
@@ -305,10 +317,12 @@ class PackedLinearWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] <= self.blocked_rows and x.dtype == torch.bfloat16:
+        if self._blocked_takes(x2):
             out = self.blocked.blocked_linear_bf16(x2, self.blocked_packed, self.padded_bias, self.out_features)
         elif x2.shape[0] <= self.skinny_rows and x.dtype == self.weight.dtype:
             out = self.skinny.skinny_linear(x2, self.weight, self.bias)
+        elif self.packed is None:
+            out = F.linear(x2, self.weight, self.bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
         return out.view(*shape[:-1], self.out_features)

@@ -170,16 +170,20 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------------
     @staticmethod
-    def decodes_first(items: list[ScheduledSequence]) -> list[ScheduledSequence]:
-        """The step's sequences with one-token chunks first (stable): they form the backend's
-        batched decode group. The scheduler mostly hands them over in that order already."""
-        q = [s.end - s.start for s in items]
-        n = q.count(1)
-        if q[:n].count(1) == n:
-            return items
-        return sorted(items, key=lambda s: s.end - s.start != 1)
+    def decodes_first(items: list[ScheduledSequence]) -> tuple[list[ScheduledSequence], int]:
+        """The step's sequences with its decodes first (stable), and how many there are. A decode
+        is one new token at a generated position: the backend's batched decode group (the paged
+        kernel). A prompt's one-token chunk (the rest of the prompt cached or computed before) is
+        not one: its row goes through the prefill kernel like the rest of the prompt, so its bits
+        do not depend on how the prompt was chunked or cached (the two kernels round differently;
+        tests/engine/test_batch_invariance.py). The scheduler mostly hands decodes over first."""
+        dec = [s.end - s.start == 1 and s.start >= len(s.prompt_token_ids) for s in items]
+        n = dec.count(True)
+        if dec[:n].count(True) == n:
+            return items, n
+        return [s for s, d in zip(items, dec) if d] + [s for s, d in zip(items, dec) if not d], n
 
-    def step_sequences(self, items: list[ScheduledSequence]) -> StepSequences:
+    def step_sequences(self, items: list[ScheduledSequence], num_decodes: int | None = None) -> StepSequences:
         """Lengths of the step's sequences and their block-table rows: one index_select per space.
         (Plain list comprehensions: on CPython 3.11+ their specialised slot reads are ~3x faster
         than map over operator.attrgetter for the hundreds of sequences of a step.)"""
@@ -193,12 +197,12 @@ class ModelRunner:
             bt = kv.block_tables[name]
             tables[name] = bt.rows(rows, min(pages, bt.width))
         return StepSequences([s.end - s.start for s in items], ctx, tables, ids,
-                             decode_tiles=self.backend.needs_decode_tiles)
+                             decode_tiles=self.backend.needs_decode_tiles, decodes=num_decodes)
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> RunnerOutput:
-        items = self.decodes_first(batch.sequences)
-        seqs = self.step_sequences(items)
+        items, num_decodes = self.decodes_first(batch.sequences)
+        seqs = self.step_sequences(items, num_decodes)
         meta = self.model.build_attention_metadata(seqs, self.windows, self.kv.page_size)
         if self.debug_checks:
             self.check_no_null_page_writes(meta)

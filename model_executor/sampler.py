@@ -88,6 +88,15 @@ class SamplerOutput:
 # --------------------------------------------------------------------------------------------
 
 
+def row_log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """float32 log_softmax of each row of `logits` [N, V], the same bits whatever rows share the
+    call. torch's CPU log_softmax reduces each row within one thread; its logsumexp, a generic
+    reduction, splits one row's sum across the threads when there are fewer rows than threads,
+    so `x - x.logsumexp(-1)` gave a request a logprob that depended on its batch (68 of 1,200
+    bf16-valued rows of 49,152 differed between a batch of six and the row alone, 2 threads)."""
+    return logits.float().log_softmax(dim=-1)
+
+
 def _top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[list[TokenLogprob]]:
     """Top-k entries plus ``token_ids[i]`` (if not already in the top-k) for every row.
 
@@ -136,8 +145,7 @@ def compute_prompt_logprobs(
     next_token_ids = next_token_ids.to(device=logits.device, dtype=torch.long)
     result: list[list[TokenLogprob]] = []
     for start in range(0, logits.shape[0], PROMPT_LOGPROBS_CHUNK):
-        chunk = logits[start:start + PROMPT_LOGPROBS_CHUNK].float()
-        logprobs = chunk - chunk.logsumexp(dim=-1, keepdim=True)
+        logprobs = row_log_softmax(logits[start:start + PROMPT_LOGPROBS_CHUNK])
         result.extend(_top_logprobs(logprobs, next_token_ids[start:start + PROMPT_LOGPROBS_CHUNK], k))
     return result
 
@@ -403,10 +411,9 @@ class Sampler:
         if no_logprobs:
             # Nobody reports logprobs (cumulative_logprob is only reported alongside them).
             return SamplerOutput(token_ids=token_ids.tolist(), sampled_logprobs=None, top_logprobs=[None] * len(batch))
-        # Logprobs of the raw distribution: one logsumexp pass, then a gather per row.
-        lse = raw.logsumexp(dim=-1, keepdim=True)
-        sampled_logprobs = (raw.gather(1, token_ids.unsqueeze(1)) - lse).squeeze(1)
-        top_logprobs = self._top_logprobs(raw, lse, token_ids, batch)
+        logprobs = row_log_softmax(raw)  # of the raw distribution
+        sampled_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        top_logprobs = self._top_logprobs(logprobs, token_ids, batch)
         return SamplerOutput(
             token_ids=token_ids.tolist(),
             sampled_logprobs=sampled_logprobs.tolist(),
@@ -440,7 +447,7 @@ class Sampler:
 
     @staticmethod
     def _top_logprobs(
-        raw: torch.Tensor, lse: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch
+        logprobs: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch
     ) -> list[list[TokenLogprob] | None]:
         result: list[list[TokenLogprob] | None] = [None] * len(batch)
         # Rows are grouped by k so each group is one batched topk.
@@ -449,9 +456,8 @@ class Sampler:
             if p.logprobs is not None:
                 rows_by_k.setdefault(p.logprobs, []).append(i)
         for k, rows in rows_by_k.items():
-            index = torch.tensor(rows, device=raw.device)
-            # Same `raw - lse` arithmetic as sampled_logprobs, so the two agree bit for bit.
-            logprobs = raw[index] - lse[index]
-            for i, entries in zip(rows, _top_logprobs(logprobs, token_ids[index], k)):
+            index = torch.tensor(rows, device=logprobs.device)
+            # The tensor sampled_logprobs gathers from, so the two agree bit for bit.
+            for i, entries in zip(rows, _top_logprobs(logprobs[index], token_ids[index], k)):
                 result[i] = entries
         return result

@@ -127,9 +127,10 @@ def test_blocked_linear_bf16_gives_a_row_the_same_bits_alone_and_in_a_batch(n):
 @needs_bf16
 @pytest.mark.parametrize("amx", [False, True])
 def test_bf16_packed_linear_sends_up_to_blocked_max_rows_bf16_to_the_kernel_and_more_to_onednn(monkeypatch, amx):
-    """The layer's bf16 path: at most blocked_max_rows_bf16() rows through the vdpbf16ps kernel
-    (few beside AMX, where oneDNN runs on the tiles from 16 rows; up to 512 without it), more
-    through oneDNN; both agree with F.linear to bf16 precision."""
+    """The layer's bf16 path: beside AMX (where oneDNN runs on the tiles from 16 rows) at most
+    blocked_max_rows_bf16() rows through the vdpbf16ps kernel and more through oneDNN; without
+    AMX every row count through the kernel, and no oneDNN copy of the weight is made. Both agree
+    with F.linear to bf16 precision."""
     if not layers.packing_supported(torch.zeros(1, 1, dtype=torch.bfloat16)):
         pytest.skip("no oneDNN bf16 packing here")
     from hybridkv import cpu_features as features
@@ -137,19 +138,21 @@ def test_bf16_packed_linear_sends_up_to_blocked_max_rows_bf16_to_the_kernel_and_
     real_features = features.cpu_features()
     flags = real_features.flags | {"amx_bf16"} if amx else real_features.flags - {"amx_bf16"}
     monkeypatch.setattr(features, "cpu_features", lambda: dataclasses.replace(real_features, flags=flags))
-    limit = layers.BLOCKED_MAX_ROWS_BF16_BESIDE_AMX if amx else layers.BLOCKED_MAX_ROWS_BF16
+    limit = layers.BLOCKED_MAX_ROWS_BF16_BESIDE_AMX if amx else None
     assert layers.blocked_max_rows_bf16() == limit
     w, b = torch.randn(40, 64).bfloat16(), torch.randn(40).bfloat16()
     linear = layers.PackedLinearWeight(w, b)
     assert linear.blocked is ops
+    assert (linear.packed is None) == (limit is None), "a oneDNN copy is kept exactly where oneDNN can run"
     calls = []
     real = ops.blocked_linear_bf16
     monkeypatch.setattr(linear, "blocked", type("Spy", (), {"blocked_linear_bf16": staticmethod(
         lambda *a: calls.append(a[0].shape[0]) or real(*a))})())
-    for rows in (1, limit, limit + 1):
+    counts = (1, limit, limit + 1) if amx else (1, 513, 1100)
+    for rows in counts:
         x = torch.randn(rows, 64).bfloat16()
         torch.testing.assert_close(linear(x).float(), F.linear(x.float(), w.float(), b.float()), atol=0.1, rtol=2e-2)
-    assert calls == [1, limit]
+    assert calls == (list(counts[:2]) if amx else list(counts))
 
 
 @needs_bf16
@@ -256,8 +259,9 @@ def test_silu_mlp_in_bf16_takes_the_fused_projection(monkeypatch):
     if layers.amx_linear_for(torch.empty(96, 64, dtype=torch.bfloat16)) is not None:
         pytest.skip("AMX CPUs put bf16 weights on the AMX linear (its own fused test)")
     projection = assert_mlp_fuses_silu(monkeypatch, torch.bfloat16, layers.PackedLinearWeight)
-    # Past blocked_rows only where the kernel serves BLOCKED_MAX_ROWS_BF16 (no AMX beside it).
-    longer = torch.randn(projection.blocked_rows + 1, 64).bfloat16()
-    assert projection.silu_fits(longer) == (projection.blocked_rows >= layers.BLOCKED_MAX_ROWS_BF16)
+    # Every row count where the kernel takes them all (no AMX beside it); beside AMX, only up to
+    # its few rows.
+    longer = torch.randn(1100, 64).bfloat16()
+    assert projection.silu_fits(longer) == (projection.blocked_rows is None)
     monkeypatch.setattr(projection, "blocked_rows", layers.BLOCKED_MAX_ROWS_BF16_BESIDE_AMX)
     assert not projection.silu_fits(torch.randn(layers.BLOCKED_MAX_ROWS_BF16_BESIDE_AMX + 1, 64).bfloat16())
