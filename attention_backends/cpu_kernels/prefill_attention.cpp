@@ -256,15 +256,15 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         const int64_t k_first = c.window_start(p_first);
         // Blocks start at multiples of kKeyBlock, not at the tile's first key: a row then sees
         // the same blocks, so the same rounding, whichever tile (chunk) it comes in (a window
-        // moves k_first with the tile). Keys of the first block before k_first read the null
-        // page (slot 0, zeros, never written; their pages may be released) and are masked.
+        // moves k_first with the tile). Keys of the first block before k_first are masked, and
+        // read the key at k_first in their place: their pages may be released, and a masked
+        // key's weight is exactly 0 only against a finite value.
         for (int64_t b0 = k_first / kKeyBlock * kKeyBlock; b0 <= p_last; b0 += kKeyBlock) {
           const int64_t bl = std::min<int64_t>(kKeyBlock, p_last - b0 + 1);
           // The block's keys as float rows, and its value rows' addresses, through the pages.
           for (int64_t t = 0; t < bl; ++t) {
-            const int64_t kpos = b0 + t;
-            const int64_t slot =
-                kpos < k_first ? 0 : static_cast<int64_t>(row_pages[kpos / page_size]) * page_size + kpos % page_size;
+            const int64_t kpos = std::max(b0 + t, k_first);
+            const int64_t slot = static_cast<int64_t>(row_pages[kpos / page_size]) * page_size + kpos % page_size;
             const scalar_t* key = c.kp + h * c.kh + slot * c.ks;
             if constexpr (std::is_same_v<scalar_t, float>) {
               krows[t] = key;  // float32 keys are read in place

@@ -26,8 +26,9 @@ def _engines(path: str, dtype: str, steps: int) -> tuple[LLM, LLM]:
 
 
 def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]):
-    """Each request's (tokens, text, finish reason, stop reason), from an empty prefix cache (in
-    bf16 a prefix hit moves a prompt's rows to other kernels, which round differently)."""
+    """Each request's (tokens, text, finish reason, stop reason), from an empty prefix cache (on
+    CPUs where some linear changes kernel with the row count, a prefix hit changes the kernels a
+    prompt's rows meet: tests/engine/test_batch_invariance.py)."""
     llm.reset_prefix_cache()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
