@@ -66,6 +66,9 @@ class StepSequences:
     # How many leading sequences form the decode group; None: every leading one-query sequence.
     # The runner leaves a prompt's one-token chunk out of it (model_runner.decodes_first).
     decodes: int | None = None
+    # Each sequence's prompt length (the runner's), or None: not known. A prefill chunk that reaches
+    # past its prompt is recomputing generated tokens after a preemption (AttentionMetadata.regenerated).
+    prompt_lens: list[int] | None = None
 
     @classmethod
     def from_page_lists(
@@ -238,6 +241,11 @@ class AttentionMetadata:
     # This step's host-tier load-backs (model_executor/kv_loads.py: PendingKVLoads), or None:
     # a backend calls kv_loads.wait(k_cache, v_cache) before it reads the cache.
     kv_loads: object | None = None
+    # Prefill rows at generated positions (a request recomputed after a preemption), or None:
+    # (row in the flat batch [n] int64, block-table row [n] int32, position [n] int32). The CPU
+    # backend attends them as the decodes that first computed them did, so that a preemption
+    # leaves a request's bits as they were (regenerated_rows).
+    regenerated: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @cached_property
     def decode_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -394,6 +402,33 @@ def _slot_runs(slots: torch.Tensor | None) -> list[tuple[int, int, int]]:
     return [(a, b, f) for a, b, f in zip(edges, edges[1:], firsts)]
 
 
+def regenerated_rows(seqs: StepSequences) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """AttentionMetadata.regenerated of a step: its prefill rows at positions at or past their
+    prompt's length, or None when it has none (or the prompt lengths are not known). Only a
+    request recomputed after a preemption has them, so this is a loop over the step's prefill
+    chunks that almost always finds nothing."""
+    if seqs.prompt_lens is None:
+        return None
+    rows: list[int] = []
+    seq: list[int] = []
+    pos: list[int] = []
+    nd = seqs.num_decodes
+    row = nd
+    for i in range(nd, len(seqs.query_lens)):
+        q, end = seqs.query_lens[i], seqs.context_lens[i]
+        start = end - q
+        first = max(start, seqs.prompt_lens[i])
+        if end > first:
+            rows.extend(range(row + first - start, row + q))
+            seq.extend([i] * (end - first))
+            pos.extend(range(first, end))
+        row += q
+    if not rows:
+        return None
+    return (torch.tensor(rows, dtype=torch.long), torch.tensor(seq, dtype=torch.int32),
+            torch.tensor(pos, dtype=torch.int32))
+
+
 def build_attention_metadata(
     seqs: StepSequences, windows: dict[str, int | None], page_size: int, sizes: TileSizes = DEFAULT_TILES
 ) -> AttentionMetadata:
@@ -407,4 +442,5 @@ def build_attention_metadata(
         query_start_loc=torch.from_numpy(q_start),
         context_lens=torch.from_numpy(seqs.context_lens_array.astype(np.int32)),
         page_size=page_size,
+        regenerated=regenerated_rows(seqs),
     )

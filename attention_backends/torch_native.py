@@ -111,6 +111,14 @@ class TorchNativeAttention:
             # The kernels read q through its strides (a view into the QKV output) and return a
             # contiguous result, so a step of prefills only takes it as it is: no copy of either.
             prefills = kernel(q[nd:], k_cache, v_cache, table, starts, rows, positions, meta.page_size, window, scale)
+            if meta.regenerated is not None and self._paged is not None:
+                # Rows at generated positions (a request recomputed after a preemption) again as
+                # the decodes that first computed them, one-row groups of the paged kernel: the
+                # two kernels round differently, and a preemption must not change a request's bits.
+                rows_again, seq_rows, pos = meta.regenerated
+                groups = torch.arange(rows_again.numel() + 1, dtype=torch.int32)
+                prefills[rows_again - nd] = self._paged(q[rows_again], k_cache, v_cache, table, groups, seq_rows, pos,
+                                                        meta.page_size, window, scale)
             if not nd:
                 return prefills
             return torch.cat([self._decodes(q[:nd], k_cache, v_cache, meta, sm, scale), prefills])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybridkv.attention_backends.metadata import (
-    DEFAULT_TILES, StepSequences, TileSizes, build_attention_metadata,
+    DEFAULT_TILES, StepSequences, TileSizes, build_attention_metadata, regenerated_rows,
 )
 from hybridkv.attention_backends import torch_native
 from hybridkv.attention_backends.torch_native import TorchNativeAttention
@@ -503,3 +503,17 @@ def test_cpu_paged_kernel_in_bfloat16_loses_only_the_output_rounding(D):
     got = kernel(q, k_cache, v_cache, table, rows, rows[:n], pos, page, -1, D**-0.5).float()
     want = kernel(q.float(), k_cache.float(), v_cache.float(), table, rows, rows[:n], pos, page, -1, D**-0.5)
     assert ((got - want).abs() <= want.abs() * 2.0**-8 + 1e-5).all(), (got - want).abs().max()
+
+
+def test_regenerated_rows_are_the_prefill_rows_at_generated_positions():
+    """Decodes first (never counted), then a prompt chunk, a resumed request whose chunk crosses
+    its prompt's end (positions 5..8 of a 7-token prompt: rows 7 and 8 of the flat batch, at
+    positions 7 and 8), and one wholly past its prompt (rows 9 and 10)."""
+    seqs = StepSequences.from_page_lists([1, 1, 3, 4, 2], [10, 20, 3, 9, 14], {"full": [[1]] * 5})
+    assert regenerated_rows(seqs) is None, "prompt lengths unknown: nothing is regenerated"
+    seqs.prompt_lens = [5, 5, 8, 7, 3]
+    rows, seq, pos = regenerated_rows(seqs)
+    assert rows.tolist() == [7, 8, 9, 10] and seq.tolist() == [3, 3, 4, 4] and pos.tolist() == [7, 8, 12, 13]
+    assert rows.dtype == torch.long and seq.dtype == pos.dtype == torch.int32
+    seqs.prompt_lens = [5, 5, 8, 9, 20]
+    assert regenerated_rows(seqs) is None

@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+from hybridkv.attention_backends import metadata
 from hybridkv.entrypoints.llm import LLM
 from hybridkv.model_executor.layers import BlockedLinearWeight, PackedLinearWeight, packed_forward
 from hybridkv.model_executor.sampling_params import SamplingParams
@@ -97,3 +98,43 @@ def test_outputs_do_not_depend_on_batch_prefix_hits_or_chunking(tiny_ckpt, monke
         for i, (want, have) in enumerate(zip(alone, got)):
             assert have[0] == want[0], f"{name}: request {i}'s tokens differ from the request run alone"
             assert have[1] == want[1], f"{name}: request {i}'s logprobs differ from the request run alone"
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_preemption_leaves_a_requests_outputs_as_they_were(tiny_ckpt, monkeypatch, case, dtype, caching):
+    """A request recomputed after a preemption runs its generated tokens through the kernel that
+    first computed them (the decodes' paged kernel, not the prefill kernel): its tokens and
+    logprobs are the bits of an engine with room for everyone."""
+    arch, overrides = CASES[case]
+    path = tiny_ckpt(arch, **overrides)
+    roomy = LLM(path, dtype=dtype, max_model_len=512)
+    if not _one_kernel_for_every_row_count(roomy):
+        pytest.skip(f"{dtype} on this CPU runs some linear on another kernel past a row count")
+    g = torch.Generator().manual_seed(4)
+    vocab = roomy.engine.runner.config.vocab_size
+    # Short prompts, long outputs: requests are preempted while they decode, and their resume
+    # recomputes generated tokens.
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (20, 30, 40, 50)]
+    params = [SamplingParams(temperature=0, max_tokens=150, ignore_eos=True, logprobs=2) if i % 2 == 0 else
+              SamplingParams(temperature=0.9, seed=7 + i, max_tokens=150, ignore_eos=True, logprobs=2)
+              for i in range(len(prompts))]
+    want = _outputs(roomy, prompts, params)
+    kv = roomy.engine.kv
+    page_bytes = sum(spec.bytes_per_slot for spec in kv.specs.values()) * kv.page_size
+    # Room for one request of max_model_len and a little more (a windowed model keeps only its
+    # window and a 32-token chunk: 6 pages): the others must preempt each other as they decode.
+    pages = 8 if overrides.get("sliding_window") else 512 // kv.page_size + 4
+    tight = LLM(path, dtype=dtype, max_model_len=512, max_num_batched_tokens=32, enable_prefix_caching=caching,
+                kv_cache_memory_bytes=pages * page_bytes)
+    regenerated = []
+    build = metadata.regenerated_rows
+    monkeypatch.setattr(metadata, "regenerated_rows", lambda seqs: regenerated.append(build(seqs)) or regenerated[-1])
+    got = _outputs(tight, prompts, params)
+    assert any(r is not None for r in regenerated), (
+        f"no generated token was recomputed ({tight.engine.scheduler.num_preemptions} preemptions): "
+        "the test would compare two runs that never left the decode kernel")
+    for i, (w, h) in enumerate(zip(want, got)):
+        assert h[0] == w[0], f"request {i}'s tokens changed after a preemption"
+        assert h[1] == w[1], f"request {i}'s logprobs changed after a preemption"
