@@ -269,7 +269,8 @@ def _streamed(copy: torch.Tensor, arena: HugePageArena | None) -> torch.Tensor:
 
 
 class PackedLinearWeight:
-    """A weight [N, K] prepacked for oneDNN; call it like F.linear(x, weight, bias). Inputs of
+    """A weight [N, K] prepacked for oneDNN (or, where the vdpbf16ps kernel takes every bf16
+    input, for that kernel alone); call it like F.linear(x, weight, bias). Inputs of
     up to `skinny_rows` rows (decode) go through cpu_kernels' skinny_linear when it is built here;
     bf16 inputs of up to `blocked_rows` rows (blocked_max_rows_bf16; None: every row count)
     through the vdpbf16ps blocked kernel where the CPU has AVX512-BF16 (decode steps and short
