@@ -1,17 +1,17 @@
-"""Invariant: a request's tokens and logprobs do not depend on what the engine runs beside it or
-on what it has cached. The same prompts give the same bits alone, batched together (one step of
-more than 512 prompt rows), after a hit on their shared prefix, in short prefill chunks beside
-decoding streams, and decoding beside other streams; greedy and seeded sampling alike.
+"""Invariant: a request's tokens and logprobs do not depend on what the engine runs beside it,
+on what it has cached, or on whether it was preempted. The same prompts give the same bits alone,
+batched together (one step of more than 512 prompt rows), after a hit on their shared prefix or
+on all of the prompt but its last token, in short prefill chunks beside decoding streams,
+decoding beside other streams, and after recompute preemptions; greedy and seeded sampling alike.
 
 It holds where every linear of the model runs one kernel for every row count (the kernels are
 row-independent: tests/model_executor/test_blocked_linear.py) and attention runs the C++ kernels:
 float32 on AVX-512 CPUs other than Intel's (the blocked kernel), bfloat16 on CPUs with
 AVX512-BF16 and no AMX (the vdpbf16ps kernel). Elsewhere a step of many rows takes another kernel
 (MKL, oneDNN, AMX tiles) whose bits are not verified to match, and the test says so and skips.
-
-Not covered, because it does not hold: a prompt computed as a one-token chunk (every token but its
-last cached) or a request recomputed after preemption runs a row through the other attention
-kernel (decode vs prefill), whose float rounding differs.
+The attention rules it relies on: a prompt's rows go through the prefill kernel (also a one-token
+last chunk), generated positions through the decode kernel (also when a preempted request
+recomputes them), and the prefill kernels cut keys at absolute positions.
 """
 from __future__ import annotations
 
@@ -91,10 +91,16 @@ def test_outputs_do_not_depend_on_batch_prefix_hits_or_chunking(tiny_ckpt, monke
     cached = []
     warm = _outputs(llm, prompts[:1], params[:1]) + _outputs(llm, prompts[1:], params[1:], reset=False, cached=cached)
     assert min(cached) >= PREFIX // 2, f"the later prompts did not hit the shared prefix: {cached} tokens cached"
+    # Every prompt cached to its last whole page; the 145-token one (70 + 75) to all but its last
+    # token, which is then computed as a one-token chunk.
+    again = _outputs(llm, prompts, params, reset=False, cached=cached)
+    assert any(len(p) - n == 1 for n, p in zip(cached[-len(prompts):], prompts)), (
+        f"no prompt was cached to all but its last token: {cached[-len(prompts):]} of {[len(p) for p in prompts]}")
     chunked_llm = LLM(path, dtype=dtype, max_model_len=512, max_num_batched_tokens=48)
     chunked = _outputs(chunked_llm, prompts, params)
 
-    for name, got in (("batched", batched), ("prefix hits", warm), ("48-token chunks", chunked)):
+    for name, got in (("batched", batched), ("prefix hits", warm), ("cached to the last page", again),
+                      ("48-token chunks", chunked)):
         for i, (want, have) in enumerate(zip(alone, got)):
             assert have[0] == want[0], f"{name}: request {i}'s tokens differ from the request run alone"
             assert have[1] == want[1], f"{name}: request {i}'s logprobs differ from the request run alone"
