@@ -198,7 +198,8 @@ class ModelRunner:
             tables[name] = bt.rows(rows, min(pages, bt.width))
         return StepSequences([s.end - s.start for s in items], ctx, tables, ids,
                              decode_tiles=self.backend.needs_decode_tiles, decodes=num_decodes,
-                             prompt_lens=[len(s.prompt_token_ids) for s in items])
+                             # only prefill chunks can regenerate rows: a decode-only step skips it
+                             prompt_lens=None if num_decodes == len(items) else [len(s.prompt_token_ids) for s in items])
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> RunnerOutput:
