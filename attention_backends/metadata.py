@@ -429,6 +429,22 @@ def regenerated_rows(seqs: StepSequences) -> tuple[torch.Tensor, torch.Tensor, t
             torch.tensor(pos, dtype=torch.int32))
 
 
+def prefill_row_groups(meta: AttentionMetadata, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AttentionMetadata.prefill_groups for some of the prefill rows only: `rows` (rows of the
+    batch, ascending, none of them a decode) as query groups of the CPU prefill kernel, for a
+    q holding those rows alone. Rows that follow each other in one chunk stay one group; a
+    sampled chunk's last row is a group of one. -> group_start [G + 1], block-table row [G],
+    position of every row [len(rows)], int32."""
+    starts, table_rows, positions = meta.prefill_groups
+    r = rows.to(torch.long) - meta.num_decode_tokens
+    chunk = torch.searchsorted(starts[1:].to(torch.long), r, right=True)  # the chunk each row lies in
+    new_group = torch.ones(r.numel(), dtype=torch.bool)
+    new_group[1:] = (r[1:] != r[:-1] + 1) | (chunk[1:] != chunk[:-1])
+    first = new_group.nonzero().flatten()
+    group_start = torch.cat([first, torch.tensor([r.numel()])]).to(torch.int32)
+    return group_start, table_rows[chunk[first]], positions[r]
+
+
 def build_attention_metadata(
     seqs: StepSequences, windows: dict[str, int | None], page_size: int, sizes: TileSizes = DEFAULT_TILES
 ) -> AttentionMetadata:

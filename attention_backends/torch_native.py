@@ -50,7 +50,8 @@ import torch.nn.functional as F
 
 from hybridkv.attention_backends.cpu_kernels import (load_paged_attention, load_prefill_attention,
                                                      load_prefill_attention_bf16, load_write_kv)
-from hybridkv.attention_backends.metadata import AttentionMetadata, DecodeTile, PrefillSeq, TileSizes
+from hybridkv.attention_backends.metadata import (AttentionMetadata, DecodeTile, PrefillSeq, TileSizes,
+                                                  prefill_row_groups)
 from hybridkv.block_manager.space_spec import window_start
 from hybridkv.cpu_features import cpu_features
 
@@ -95,39 +96,76 @@ class TorchNativeAttention:
         meta: AttentionMetadata,
         space: str,
         scale: float,
+        out_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The attention output [T, H, D] of every row of the step, or of `out_rows` only (rows
+        in ascending order, [len(out_rows), H, D]; every row's K/V is written either way). A
+        model's last layer asks for the rows it samples: the C++ prefill kernel then attends
+        those rows alone, and their bits are the ones the whole chunk would give them (each row's
+        arithmetic is its own there: tests/attention_backends/test_torch_native.py)."""
         if meta.kv_loads is not None:  # host-tier load-backs into this layer's pages land first
             meta.kv_loads.wait(k_cache, v_cache)
         sm = meta.spaces[space]
         self._write(k, v, k_cache, v_cache, sm.slot_mapping)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
-            return self._decodes(q, k_cache, v_cache, meta, sm, scale)
+            out = self._decodes(q, k_cache, v_cache, meta, sm, scale)
+            return out if out_rows is None else out[out_rows]
         kernel = self._prefill_kernel_for(q, k_cache)
         if kernel is not None:
-            starts, rows, positions = meta.prefill_groups
             window = -1 if sm.window is None else sm.window
             table = sm.block_table if sm.block_table.dtype == torch.int32 else sm.block_table.to(torch.int32)
-            # The kernels read q through its strides (a view into the QKV output) and return a
-            # contiguous result, so a step of prefills only takes it as it is: no copy of either.
-            prefills = kernel(q[nd:], k_cache, v_cache, table, starts, rows, positions, meta.page_size, window, scale)
-            if meta.regenerated is not None and self._paged is not None:
-                # Rows at generated positions (a request recomputed after a preemption) again as
-                # the decodes that first computed them, one-row groups of the paged kernel: the
-                # two kernels round differently, and a preemption must not change a request's bits.
-                rows_again, seq_rows, pos = meta.regenerated
-                groups = torch.arange(rows_again.numel() + 1, dtype=torch.int32)
-                prefills[rows_again - nd] = self._paged(q[rows_again], k_cache, v_cache, table, groups, seq_rows, pos,
-                                                        meta.page_size, window, scale)
+            if out_rows is None:
+                starts, rows, positions = meta.prefill_groups
+                # The kernels read q through its strides (a view into the QKV output) and return a
+                # contiguous result, so a step of prefills only takes it as it is: no copy of either.
+                prefills = kernel(q[nd:], k_cache, v_cache, table, starts, rows, positions, meta.page_size, window,
+                                  scale)
+                self._regenerate(prefills, nd, q, k_cache, v_cache, table, meta, window, scale)
+            else:
+                cut = int(torch.searchsorted(out_rows, nd))  # out_rows[:cut] are decodes
+                chosen = out_rows[cut:]
+                if chosen.numel():
+                    starts, rows, positions = prefill_row_groups(meta, chosen)
+                    prefills = kernel(q[chosen], k_cache, v_cache, table, starts, rows, positions, meta.page_size,
+                                      window, scale)
+                    self._regenerate(prefills, nd, q, k_cache, v_cache, table, meta, window, scale, chosen)
+                else:  # prompt chunks that sample nothing: their K/V above is all this layer owes them
+                    prefills = q.new_empty((0, *q.shape[1:]))
             if not nd:
                 return prefills
-            return torch.cat([self._decodes(q[:nd], k_cache, v_cache, meta, sm, scale), prefills])
+            decodes = self._decodes(q[:nd], k_cache, v_cache, meta, sm, scale)  # every one samples, as a rule
+            if out_rows is not None and cut < nd:
+                decodes = decodes[out_rows[:cut]]
+            return torch.cat([decodes, prefills])
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decodes(q[:nd], k_cache, v_cache, meta, sm, scale)
         for p in sm.prefills:
             out[p.query_start : p.query_end] = self._prefill(q, k, v, k_cache, v_cache, p, sm.window, scale, meta.tiles)
-        return out
+        return out if out_rows is None else out[out_rows]
+
+    def _regenerate(self, prefills: torch.Tensor, nd: int, q: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, table: torch.Tensor, meta: AttentionMetadata, window: int, scale: float,
+                    rows: torch.Tensor | None = None) -> None:
+        """Rows at generated positions (a request recomputed after a preemption) again as the
+        decodes that first computed them, one-row groups of the paged kernel, over the prefill
+        kernel's result (`prefills` holds the rows from nd on, or `rows` of the batch): the two
+        kernels round differently, and a preemption must not change a request's bits."""
+        if meta.regenerated is None or self._paged is None:
+            return
+        rows_again, seq_rows, pos = meta.regenerated
+        if rows is None:
+            at = rows_again - nd
+        else:
+            at = torch.searchsorted(rows, rows_again)  # where each regenerated row sits in `rows`, if it does
+            kept = (at < rows.numel()) & (rows[at.clamp(max=rows.numel() - 1)] == rows_again)
+            if not bool(kept.any()):
+                return
+            rows_again, seq_rows, pos, at = rows_again[kept], seq_rows[kept], pos[kept], at[kept]
+        groups = torch.arange(rows_again.numel() + 1, dtype=torch.int32)
+        prefills[at] = self._paged(q[rows_again], k_cache, v_cache, table, groups, seq_rows, pos, meta.page_size,
+                                   window, scale)
 
     def _prefill_kernel_for(self, q: torch.Tensor, k_cache: torch.Tensor):
         """The C++ kernel that takes the step's prefills, or None for the SDPA / tile path below.

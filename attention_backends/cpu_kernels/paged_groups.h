@@ -25,6 +25,17 @@ inline void check_paged_groups(const torch::Tensor& q, const torch::Tensor& k_ca
   for (const auto* t : {&block_table, &group_start, &group_row, &positions})
     TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->is_contiguous(), "index tensors must be contiguous int32");
   TORCH_CHECK(group_start.size(0) == group_row.size(0) + 1, "group_start must have one entry more than group_row");
+  TORCH_CHECK(positions.size(0) == q.size(0), "one position per query row");
+  // The groups must cover q's rows exactly and name rows of the block table: the kernels index
+  // q, out and the table with them unchecked (a caller's slip would write past the output).
+  const int32_t* gs = group_start.data_ptr<int32_t>();
+  const int32_t* gr = group_row.data_ptr<int32_t>();
+  const int64_t G = group_row.size(0);
+  TORCH_CHECK(gs[0] == 0 && gs[G] == q.size(0), "group_start must run from 0 to q's ", q.size(0), " rows");
+  for (int64_t g = 0; g < G; ++g) {
+    TORCH_CHECK(gs[g] <= gs[g + 1], "group_start must not decrease");
+    TORCH_CHECK(gr[g] >= 0 && gr[g] < block_table.size(0), "group_row ", gr[g], " is not a row of the block table");
+  }
 }
 
 // The same arguments as raw pointers, strides and sizes, for the kernels' loops.

@@ -43,7 +43,10 @@ class TritonAttention:
         meta: AttentionMetadata,
         space: str,
         scale: float,
+        out_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Every row's attention output, or `out_rows`' only (TorchNativeAttention.forward's
+        contract; here every row is attended, then those are taken)."""
         if q.device.type == "cpu" and not is_interpreted(_decode_split_kernel):
             raise RuntimeError(
                 "the triton attention backend got CPU tensors but its kernels are compiled for a GPU: "
@@ -68,4 +71,4 @@ class TritonAttention:
                 page_size=meta.page_size, window=sm.window, scale=scale, out=out,
                 block_m=self.prefill_block_m, block_n=self.prefill_block_n,
             )
-        return out
+        return out if out_rows is None else out[out_rows]

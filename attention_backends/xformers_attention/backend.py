@@ -66,7 +66,10 @@ class XformersAttention:
         meta: AttentionMetadata,
         space: str,
         scale: float,
+        out_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Every row's attention output, or `out_rows`' only (TorchNativeAttention.forward's
+        contract; here every row is attended, then those are taken)."""
         if meta.kv_loads is not None:  # host-tier load-backs into this layer's pages land first
             meta.kv_loads.wait(k_cache, v_cache)
         sm = meta.spaces[space]
@@ -79,7 +82,7 @@ class XformersAttention:
         if nd < q.shape[0]:
             step = self._prefill_step(meta, space, q.dtype, q.device)
             out[nd:] = self._attend(q[nd:], k_cache, v_cache, step, scale)
-        return out
+        return out if out_rows is None else out[out_rows]
 
     # -- prefill -------------------------------------------------------------------------------
     def _prefill_step(self, meta: AttentionMetadata, space: str, dtype: torch.dtype, device) -> XformersStep:

@@ -59,7 +59,8 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata,
                 output_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The attention block's output for every row of x, or for `output_rows` only: every row's
-        K and V are written to the cache either way; only the output projection is skipped."""
+        K and V are written to the cache either way; the attention and the output projection
+        run on those rows alone (the Q projection still runs on every row, fused with K and V's)."""
         T = x.shape[0]
         qkv = self.qkv_proj.forward(x)
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
@@ -71,9 +72,8 @@ class LlamaAttention(nn.Module):
             q, k = qkv[:, : self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
             q = apply_rotary(self.q_norm.forward(q.view(T, self.num_heads, self.head_dim)), *rope)
             k = apply_rotary(self.k_norm.forward(k.view(T, self.num_kv_heads, self.head_dim)), *rope)
-        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.space, self.scale)
-        o = o.reshape(T, self.q_size)
-        return self.o_proj.forward(o if output_rows is None else o[output_rows])
+        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.space, self.scale, output_rows)
+        return self.o_proj.forward(o.reshape(-1, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -177,10 +177,13 @@ class LlamaForCausalLM(CausalLM):
                 output_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The final hidden states of every row, or of `output_rows` only (the rows whose logits
         the step reads). Other rows and later steps read a layer only through its K/V, and in the
-        last layer nothing after the attention feeds one, so that layer runs its output
-        projection, MLP and the final norm on the selected rows alone: in a prompt chunk, ~84% of
-        a Llama layer's FLOPs skipped for every row but the last (llama.cpp does the same). Each
-        selected row gets the kernels a batch of that many rows gets."""
+        last layer nothing after the attention feeds one, so that layer runs its attention,
+        output projection, MLP and the final norm on the selected rows alone (only its Q/K/V
+        projection and K/V write take every row): in a prompt chunk, 84% of a Llama layer's
+        linear FLOPs and all its attention skipped for every row but the last (llama.cpp does
+        the same). Each selected row
+        gets the kernels a batch of that many rows gets, and the attention kernel's bits for it
+        are the ones the whole chunk would give it."""
         fused = self._fused_decode
         if fused is not None and fused.takes(input_ids, meta):
             # Embedding, layers and final norm in one C++ call: the path below's bits.

@@ -420,6 +420,86 @@ def test_cpu_prefill_kernel_output_does_not_depend_on_the_thread_count():
     assert_same_bits_on_one_and_two_threads(load_prefill_attention(), torch.float32)
 
 
+def _mixed_step(spans, dtype, page, d, hkv=2, grp=3, seed=3):
+    """q, k, v of a step over `spans` (start, new tokens), random caches (every slot written) and
+    block tables of shuffled pages."""
+    g = torch.Generator().manual_seed(seed)
+    pool = 1 + sum(-(-(s + n) // page) for s, n in spans)
+    k_cache = torch.randn(hkv, (pool + 1) * page, d, generator=g).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    perm = (torch.randperm(pool, generator=g) + 1).tolist()
+    tables = [[perm.pop() for _ in range(-(-(s + n) // page))] for s, n in spans]
+    T = sum(n for _, n in spans)
+    q = torch.randn(T, hkv * grp, d, generator=g).to(dtype)
+    k = torch.randn(T, hkv, d, generator=g).to(dtype)
+    v = torch.randn(T, hkv, d, generator=g).to(dtype)
+    return q, k, v, k_cache, v_cache, tables
+
+
+@pytest.mark.parametrize("kernel", ["float32", "bf16_via_float32_kernel", "bf16_kernel"])
+@pytest.mark.parametrize("window", [None, 40])
+def test_rows_attended_alone_get_the_bits_the_whole_step_gives_them(kernel, window, monkeypatch):
+    """A model's last layer asks only for the rows it samples (out_rows): every row's K/V is
+    still written, and each chosen row's output is bit for bit the one the whole step computes
+    for it -- through the prefill kernel as one-row groups (a chunk's last row), runs of rows
+    (a whole chunk, as prompt logprobs would read), regenerated rows (a request recomputed after
+    a preemption: the paged kernel), decodes, and no row at all (chunks that sample nothing)."""
+    from hybridkv.attention_backends import torch_native
+
+    dtype = torch.float32 if kernel == "float32" else torch.bfloat16
+    monkeypatch.setattr(torch_native, "_native_bf16_matmuls", lambda: kernel == "bf16_kernel")
+    be = TorchNativeAttention()
+    page, d = 16, 64
+    if kernel == "bf16_kernel" and be._prefill_bf16 is None:
+        pytest.skip("this CPU has no bf16 dot products for the bf16 prefill kernel")
+    # decodes, then chunks: from 0, after a prefix, long after a long prefix, a short one late,
+    # and a resumed request whose chunk runs past its 70-token prompt (rows at 70..79 regenerated)
+    spans = [(40, 1), (130, 1), (0, 90), (64, 33), (300, 120), (500, 7), (60, 20)]
+    q, k, v, k_cache, v_cache, tables = _mixed_step(spans, dtype, page, d)
+    seqs = StepSequences.from_page_lists([n for _, n in spans], [s + n for s, n in spans], {"full": tables})
+    seqs.decode_tiles = be.needs_decode_tiles
+    seqs.prompt_lens = [0, 0, 90, 97, 420, 507, 70]
+    meta = build_attention_metadata(seqs, {"full": window}, page)
+    assert meta.regenerated is not None and meta.regenerated[0].tolist() == list(range(262, 272))
+    kc, vc = k_cache.clone(), v_cache.clone()
+    whole = be.forward(q, k, v, kc, vc, meta, "full", d**-0.5)
+    ends = (meta.query_start_loc[1:] - 1).tolist()  # each sequence's last row: 0, 1, 91, 124, 244, 251, 271
+    cases = {
+        "sampled": ends,
+        "some chunks sample nothing": [0, 1, 124, 271],
+        "a whole chunk and last rows": [0, 1] + list(range(92, 125)) + [244, 271],
+        "regenerated rows among others": [1, 91, 255, 262, 263, 270],
+        "prefill rows only": [91, 244],
+        "no row": [],
+    }
+    for name, rows in cases.items():
+        out_rows = torch.tensor(rows, dtype=torch.long)
+        kc2, vc2 = k_cache.clone(), v_cache.clone()
+        got = be.forward(q, k, v, kc2, vc2, meta, "full", d**-0.5, out_rows)
+        assert torch.equal(kc2, kc) and torch.equal(vc2, vc), f"{name}: every row's K/V must be written"
+        assert got.shape == (len(rows), *q.shape[1:]), name
+        assert torch.equal(got, whole[out_rows]), f"{name}: rows attended alone changed their bits"
+
+
+@pytest.mark.parametrize("loader", ["load_paged_attention", "load_prefill_attention"])
+def test_cpu_kernels_refuse_groups_that_do_not_cover_q(loader):
+    """The kernels index q, their output and the block table by the groups unchecked in their
+    loops, so a call whose groups miss q's rows or name a row past the table is an error, not a
+    write past the output."""
+    from hybridkv.attention_backends import cpu_kernels
+
+    kernel = getattr(cpu_kernels, loader)()
+    args, _ = _prefill_kernel_case([(0, 40), (30, 9)], None, torch.float32, 64, 3)
+    q, k_cache, v_cache, table, starts, rows, positions, *rest = args
+    assert kernel(*args).shape == q.shape
+    with pytest.raises(RuntimeError, match="group_start must run from 0"):
+        kernel(q[:10], k_cache, v_cache, table, starts, rows, positions[:10], *rest)
+    with pytest.raises(RuntimeError, match="one position per query row"):
+        kernel(q, k_cache, v_cache, table, starts, rows, positions[:10], *rest)
+    with pytest.raises(RuntimeError, match="not a row of the block table"):
+        kernel(q, k_cache, v_cache, table, starts, rows + table.shape[0], positions, *rest)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 40])
 def test_prefills_through_the_cpu_kernel_match_the_sdpa_path_in_a_mixed_step(dtype, window, monkeypatch):
@@ -430,18 +510,9 @@ def test_prefills_through_the_cpu_kernel_match_the_sdpa_path_in_a_mixed_step(dty
     from hybridkv.attention_backends import torch_native
 
     monkeypatch.setattr(torch_native, "_native_bf16_matmuls", lambda: False)
-    g = torch.Generator().manual_seed(3)
-    page, hkv, grp, d = 16, 2, 3, 64
+    page, d = 16, 64
     spans = [(40, 1), (130, 1), (0, 90), (64, 33), (300, 120)]
-    pool = 1 + sum(-(-(s + n) // page) for s, n in spans)
-    k_cache = torch.randn(hkv, (pool + 1) * page, d, generator=g).to(dtype)
-    v_cache = torch.randn_like(k_cache)
-    perm = (torch.randperm(pool, generator=g) + 1).tolist()
-    tables = [[perm.pop() for _ in range(-(-(s + n) // page))] for s, n in spans]
-    T = sum(n for _, n in spans)
-    q = torch.randn(T, hkv * grp, d, generator=g).to(dtype)
-    k = torch.randn(T, hkv, d, generator=g).to(dtype)
-    v = torch.randn(T, hkv, d, generator=g).to(dtype)
+    q, k, v, k_cache, v_cache, tables = _mixed_step(spans, dtype, page, d)
     outs = {}
     for name, kernels in (("kernel", True), ("torch", False)):
         be = TorchNativeAttention(cpu_kernels=kernels)
