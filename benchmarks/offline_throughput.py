@@ -8,6 +8,13 @@ the ratios, the dtype each engine ran, and a roofline measured in the same run (
 copy bandwidth -> decode limit, GEMM rate -> prefill limit) with each workload's fraction of it.
 
     python benchmarks/offline_throughput.py [--dtype auto] [--repeats 3] [--skip-hf] [--peer vllm]
+                                            [--rounds 1]
+
+With `--rounds R` (and `--peer vllm`) the sitting runs in R rounds, each one of hybridkv's runs
+and one of vLLM-CPU's (`--repeats` timed runs per workload each), in the order O P, P O, O P, ...
+so that a drift of the VM's speed during the sitting (these VMs move by 1.5x within minutes)
+falls on both engines alike. It prints each round's ratios beside the medians: the median of the
+paired per-round ratios is the figure a phase change cannot make.
 """
 from __future__ import annotations
 
@@ -121,7 +128,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the built-in demo model")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="auto: bfloat16 where the CPU computes it natively, else float32")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per workload per engine (per round)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --peer vllm: alternate the two engines' runs over this many rounds")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--peer", choices=["none", "vllm"], default="none", help="also run vLLM-CPU in this sitting")
     ap.add_argument("--peer-dir", default=peer_vllm.DEFAULT_PEER_DIR, help="where setup.sh built the vLLM-CPU venv")
@@ -144,16 +153,27 @@ def main() -> None:
         "d_prefix_on_lpm": None,
         "d_prefix_off": None,
     }
-    ours, model_dir, dtype, a_runs = hybridkv_runs(args, w)
-    # The roofline is probed twice, right after hybridkv's runs and at the end: these VMs drift
-    # between phases (copy bandwidth 23.8 vs 35.2 GB/s in two passes an hour apart on one), and
-    # the higher of each pair is the limit, so a slow phase cannot flatter the "of limit" column.
-    probes = [(roofline.copy_bandwidth(), roofline.gemm_rate(dtype), roofline.read_bandwidth())]
+    # The roofline is probed twice, right after hybridkv's (first) runs and at the end: these VMs
+    # drift between phases (copy bandwidth 23.8 vs 35.2 GB/s in two passes an hour apart on one),
+    # and the higher of each pair is the limit, so a slow phase cannot flatter the "of limit" column.
+    ours_rounds, peer_rounds, a_runs, probes = [], [], [], []
+    peer_name = "vLLM-CPU (not run: --peer vllm)"
+    rounds = args.rounds if args.peer == "vllm" else 1
+    for r in range(rounds):
+        for engine in ("ours", "peer") if r % 2 == 0 else ("peer", "ours"):
+            if engine == "ours":
+                res, model_dir, dtype, runs = hybridkv_runs(args, w)
+                ours_rounds.append(res)
+                a_runs += runs
+                if not probes:
+                    probes.append((roofline.copy_bandwidth(), roofline.gemm_rate(dtype), roofline.read_bandwidth()))
+            elif args.peer == "vllm":
+                times, peer_name = peer_vllm.vllm_runs(model_dir, str(dtype).removeprefix("torch."), args.repeats,
+                                                       args.peer_dir, args.peer_harness)
+                peer_rounds.append(times)
+    ours = {key: statistics.median(res[key] for res in ours_rounds) for key in ours_rounds[0]}
+    peer = {key: statistics.median(res[key] for res in peer_rounds) for key in peer_rounds[0]} if peer_rounds else {}
     theirs = {} if args.skip_hf else hf_runs(args, w, model_dir, dtype)
-    peer, peer_name = {}, "vLLM-CPU (not run: --peer vllm)"
-    if args.peer == "vllm":
-        peer, peer_name = peer_vllm.vllm_runs(model_dir, str(dtype).removeprefix("torch."), args.repeats,
-                                              args.peer_dir, args.peer_harness)
     from hybridkv.cpu_features import cpu_features
 
     probes.append((roofline.copy_bandwidth(), roofline.gemm_rate(dtype), roofline.read_bandwidth()))
@@ -168,7 +188,7 @@ def main() -> None:
 
     print(f"\nCPU: {cpu_features().describe()}")
     print(f"dtype: hybridkv {dtype}, transformers {dtype}, vLLM-CPU {dtype if peer else '-'}; "
-          f"threads={torch.get_num_threads()} repeats={args.repeats} (median wall time)")
+          f"threads={torch.get_num_threads()} repeats={args.repeats} rounds={rounds} (median wall time)")
     print("roofline probes (after hybridkv's runs, at the end): copy "
           + " / ".join(f"{p[0] / 1e9:.1f}" for p in probes) + " GB/s, GEMM "
           + " / ".join(f"{p[1] / 1e9:.0f}" for p in probes) + " GFLOP/s, read (diagnostic) "
@@ -185,6 +205,14 @@ def main() -> None:
         limit = f"{n / t / limits[key]:9.2f}" if key in limits else "-"
         print(f"{key:<16}{fmt(n, t):>22}{fmt(n, theirs.get(hf_key)):>22}{fmt(n, peer.get(peer_key)):>22}"
               f"{ratio(theirs.get(hf_key), t):>8}{ratio(peer.get(peer_key), t):>9}{limit:>10}")
+    if len(peer_rounds) > 1:
+        print("against vLLM-CPU round by round (the two engines' runs alternating: O P, P O, ...):")
+        for key in ["a_decode", "b_batch32", "c_prefill", "d_prefix_off", "d_prefix_on", "d_prefix_on_lpm"]:
+            peer_key = "d_prefix_on" if key == "d_prefix_on_lpm" else key
+            paired = [theirs_r[peer_key] / ours_r[key] for ours_r, theirs_r in zip(ours_rounds, peer_rounds)]
+            print(f"  {key:<16}" + " ".join(f"{x:.3f}x" for x in paired) + f"  median {statistics.median(paired):.3f}x"
+                  + f"  (hybridkv {' '.join(f'{o[key]:.2f}' for o in ours_rounds)} s;"
+                  + f" vLLM-CPU {' '.join(f'{t[peer_key]:.2f}' for t in peer_rounds)} s)")
     peak = roofline.fma_peak(dtype)
     if peak is None:
         print("prefill against the vector FMA peak: no probe here (no compiler, or no vector FMA of this dtype)")

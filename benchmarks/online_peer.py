@@ -9,6 +9,8 @@ other's cores; each gets a warm-up pass of the same load shape before the measur
     python benchmarks/online_peer.py                       # demo model, the issue's load: random
                                                            # 512 in / 64 out, 64 prompts, concurrency 16
     python benchmarks/online_peer.py --repeats 3           # median of 3 measured passes per server
+    python benchmarks/online_peer.py --rounds 3            # 3 rounds, the servers' turns alternating
+                                                           # (H V, V H, H V): medians and each round's ratios
     python benchmarks/online_peer.py --skip-vllm --serve-args "--num-threads 2"
 
 Targets (issue 13): hybridkv >= 1.0x vLLM's request throughput, <= 1.0x its mean TTFT and TPOT.
@@ -147,6 +149,17 @@ def table(results: dict[str, dict[str, float]]) -> list[str]:
     return lines
 
 
+def paired_ratios(rounds: list[dict[str, dict[str, float]]]) -> list[str]:
+    """Each round's hybridkv / vLLM ratio per metric and their median: a round's two servers ran
+    minutes apart, so a drift of the machine's speed moves both of a round's figures alike."""
+    lines = ["hybridkv / vLLM round by round (the servers' turns alternating: H V, V H, ...):"]
+    for key, label, _ in METRICS:
+        paired = [r["hybridkv"][key] / r["vLLM-CPU"][key] for r in rounds]
+        lines.append(f"  {label:<14}" + " ".join(f"{x:.3f}x" for x in paired)
+                     + f"  median {statistics.median(paired):.3f}x")
+    return lines
+
+
 def add_load_args(ap: argparse.ArgumentParser) -> None:
     """The model and the load shape (Load's defaults: issue 13's), shared with closed_loop.py."""
     load = Load()
@@ -162,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_load_args(ap)
     ap.add_argument("--repeats", type=int, default=1, help="measured passes per server (median reported)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="start both servers this many times, their turns alternating (median over rounds)")
     ap.add_argument("--warmup-prompts", type=int, default=16, help="requests of the same shape before measuring")
     ap.add_argument("--serve-args", default="", help="extra flags for `hybridkv serve`")
     ap.add_argument("--vllm-args", default="", help="extra flags for vLLM's api_server")
@@ -188,17 +203,22 @@ def main(argv: list[str] | None = None) -> int:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     print(f"CPU: {cpu}, {os.cpu_count()} cores; model {model}; dtype {args.dtype}; load: random "
           f"{load.input_len} in / {load.output_len} out, {load.num_prompts} prompts, concurrency {load.concurrency}, "
-          f"{args.repeats} measured pass(es)", flush=True)
+          f"{args.repeats} measured pass(es) in {args.rounds} round(s)", flush=True)
 
-    results: dict[str, dict[str, float]] = {}
-    port = free_port()
-    results["hybridkv"] = measure("hybridkv", hybridkv_server_cmd(model, args.dtype, port, args.serve_args), port,
-                                  **common)
-    if not args.skip_vllm:
+    def run(name: str) -> dict[str, float]:
         port = free_port()
-        results["vLLM-CPU"] = measure("vLLM-CPU", vllm_server_cmd(model, args.dtype, port, args.vllm_args,
-                                                                  args.peer_dir, args.peer_harness), port, **common)
+        if name == "hybridkv":
+            return measure(name, hybridkv_server_cmd(model, args.dtype, port, args.serve_args), port, **common)
+        return measure(name, vllm_server_cmd(model, args.dtype, port, args.vllm_args, args.peer_dir,
+                                             args.peer_harness), port, **common)
+
+    names = ["hybridkv"] + ([] if args.skip_vllm else ["vLLM-CPU"])
+    rounds = [{name: run(name) for name in (names if r % 2 == 0 else names[::-1])} for r in range(args.rounds)]
+    results = {name: {key: statistics.median(r[name][key] for r in rounds) for key, _, _ in METRICS}
+               for name in names}
     print("\n".join(table(results)))
+    if len(rounds) > 1 and len(names) == 2:
+        print("\n".join(paired_ratios(rounds)))
     print("RESULT " + json.dumps(results))
     return 0
 

@@ -80,6 +80,33 @@ def test_table_ratios_and_targets_point_the_right_way():
     assert "1.00x | yes" in by_label["mean TPOT ms"]
 
 
+def test_rounds_alternate_the_servers_and_print_each_rounds_ratios(tmp_path, monkeypatch, capsys):
+    """--rounds 3: the servers take turns H V, V H, H V; the table holds each one's medians over
+    the rounds, and each round's ratio is printed (a stand-in for measure, whose figures vary by
+    round; the real servers are the slow test below)."""
+    harness, peer = tmp_path / "harness", tmp_path / "peer"
+    (peer / "venv" / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, peer / "venv" / "bin" / "python")
+    harness.mkdir()
+    (harness / "bench_serve.py").write_text("")
+    order, speeds = [], {"hybridkv": iter([1.2, 0.9, 1.05]), "vLLM-CPU": iter([1.0, 1.0, 1.0])}
+
+    def measure(name, cmd, port, **common):
+        order.append(name)
+        s = next(speeds[name])
+        return {"request_throughput": s, "mean_ttft_ms": 100 / s, "mean_tpot_ms": 50 / s,
+                "output_throughput": 64 * s, "duration": 10 / s}
+
+    monkeypatch.setattr(online_peer, "measure", measure)
+    assert online_peer.main(["--model", str(tmp_path), "--rounds", "3", "--peer-dir", str(peer),
+                             "--peer-harness", str(harness)]) == 0
+    assert order == ["hybridkv", "vLLM-CPU", "vLLM-CPU", "hybridkv", "hybridkv", "vLLM-CPU"]
+    out = capsys.readouterr().out
+    assert "| req/s | 1.050 | 1.000 | 1.05x | yes |" in out, out
+    row = next(ln for ln in out.splitlines() if ln.strip().startswith("req/s") and "median" in ln)
+    assert "1.200x 0.900x 1.050x  median 1.050x" in row, row
+
+
 @pytest.mark.slow
 def test_both_servers_run_in_turn_under_the_same_load(tiny_ckpt, tmp_path, monkeypatch, capsys):
     harness, peer, fake_pkg = tmp_path / "harness", tmp_path / "peer", tmp_path / "fake_vllm"

@@ -10,6 +10,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from bench_runner import load_benchmark
 
@@ -55,3 +56,46 @@ def test_runs_the_harness_twice_and_maps_its_medians(tmp_path, monkeypatch):
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
     assert [(c["tests"], c["prefix_caching"]) for c in calls] == [("a,b,c,d", "0"), ("d", "1")]
     assert all(c["model"] == "/models/demo" and c["dtype"] == "float32" and c["repeats"] == "3" for c in calls)
+
+
+def test_offline_rounds_alternate_the_engines_and_print_paired_ratios(tmp_path, monkeypatch, capsys):
+    """offline_throughput.py --peer vllm --rounds 3: hybridkv's runs and vLLM-CPU's alternate
+    (O P, P O, O P), each engine's figure is the median of its rounds, and each round's ratio is
+    printed beside it. hybridkv's runs are a stand-in here (their times vary by round); vLLM's
+    are the stand-in harness's."""
+    from tiny_checkpoints import build_checkpoint
+
+    offline = load_benchmark("offline_throughput")
+    harness, peer = tmp_path / "harness", tmp_path / "peer"
+    (peer / "venv" / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, peer / "venv" / "bin" / "python")
+    harness.mkdir()
+    (harness / "bench_vllm.py").write_text(FAKE_BENCH)
+    (harness / "env.sh").write_text("export FAKE_ENV_SOURCED=1\n")
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("FAKE_CALLS", str(calls))
+    model = build_checkpoint(str(tmp_path / "model"))
+    speeds = iter([1.0, 0.9, 1.1])  # hybridkv's speed in each round, against vLLM's fixed times
+
+    def hybridkv_runs(args, w):
+        s = next(speeds)
+        with open(calls, "a") as f:
+            f.write(json.dumps({"tests": "hybridkv"}) + "\n")
+        res = {"a_decode": 2.0 / s, "b_batch32": 7.0 / s, "c_prefill": 0.5 / s, "d_prefix_on": 5.0 / s,
+               "d_prefix_on_lpm": 4.0 / s, "d_prefix_off": 13.0 / s}
+        return res, model, torch.float32, [(2.0 / s, 30e9)]
+
+    for probe in ("copy_bandwidth", "read_bandwidth", "gemm_rate", "fma_peak"):
+        monkeypatch.setattr(offline.roofline, probe, lambda *a, **k: 100e9)
+    monkeypatch.setattr(offline, "hybridkv_runs", hybridkv_runs)
+    monkeypatch.setattr(sys, "argv", ["offline_throughput.py", "--skip-hf", "--peer", "vllm", "--rounds", "3",
+                                      "--repeats", "1", "--peer-dir", str(peer), "--peer-harness", str(harness)])
+    offline.main()
+    order = [json.loads(line)["tests"] for line in calls.read_text().splitlines()]
+    assert order == ["hybridkv", "a,b,c,d", "d", "a,b,c,d", "d", "hybridkv", "hybridkv", "a,b,c,d", "d"]
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.strip().startswith("d_prefix_off ") and "median" in line)
+    assert "1.000x 0.900x 1.100x  median 1.000x" in row, row
+    assert "rounds=3" in out
+    result = dict(kv.split("=") for kv in next(ln for ln in out.splitlines() if ln.startswith("RESULT")).split()[1:])
+    assert float(result["d_prefix_off"]) == pytest.approx(13.0) and float(result["vllm_d_prefix_off"]) == 13.0
