@@ -429,7 +429,8 @@ def regenerated_rows(seqs: StepSequences) -> tuple[torch.Tensor, torch.Tensor, t
             torch.tensor(pos, dtype=torch.int32))
 
 
-def prefill_row_groups(meta: AttentionMetadata, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def prefill_row_groups(meta: AttentionMetadata,
+                       rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """AttentionMetadata.prefill_groups for some of the prefill rows only: `rows` (rows of the
     batch, ascending, none of them a decode) as query groups of the CPU prefill kernel, for a
     q holding those rows alone. Rows that follow each other in one chunk stay one group; a

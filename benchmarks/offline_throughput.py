@@ -138,6 +138,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--workloads", default=os.path.join(HERE, "workloads.json"))
     args = ap.parse_args()
+    if args.rounds < 1 or args.repeats < 1:
+        ap.error("--rounds and --repeats must be at least 1")
     with open(args.workloads) as f:
         w = json.load(f)
     if args.peer == "vllm" and (why := peer_vllm.missing(args.peer_dir, args.peer_harness)):

@@ -186,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ready-timeout", type=float, default=900, help="seconds a server gets to start (vLLM compiles)")
     ap.add_argument("--pass-timeout", type=float, default=1800)
     args = ap.parse_args(argv)
+    if args.rounds < 1 or args.repeats < 1:
+        ap.error("--rounds and --repeats must be at least 1")
 
     python = os.path.join(args.peer_dir, "venv", "bin", "python")
     if not os.path.isfile(os.path.join(args.peer_harness, "bench_serve.py")) or not os.access(python, os.X_OK):

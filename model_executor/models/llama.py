@@ -181,9 +181,8 @@ class LlamaForCausalLM(CausalLM):
         output projection, MLP and the final norm on the selected rows alone (only its Q/K/V
         projection and K/V write take every row): in a prompt chunk, 84% of a Llama layer's
         linear FLOPs and all its attention skipped for every row but the last (llama.cpp does
-        the same). Each selected row
-        gets the kernels a batch of that many rows gets, and the attention kernel's bits for it
-        are the ones the whole chunk would give it."""
+        the same). Each selected row gets the kernels a batch of that many rows gets, and the
+        attention kernel's bits for it are the ones the whole chunk would give it."""
         fused = self._fused_decode
         if fused is not None and fused.takes(input_ids, meta):
             # Embedding, layers and final norm in one C++ call: the path below's bits.
