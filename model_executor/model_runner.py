@@ -199,7 +199,8 @@ class ModelRunner:
         return StepSequences([s.end - s.start for s in items], ctx, tables, ids,
                              decode_tiles=self.backend.needs_decode_tiles, decodes=num_decodes,
                              # only prefill chunks can regenerate rows: a decode-only step skips it
-                             prompt_lens=None if num_decodes == len(items) else [len(s.prompt_token_ids) for s in items])
+                             prompt_lens=(None if num_decodes == len(items)
+                                          else [len(s.prompt_token_ids) for s in items]))
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> RunnerOutput:

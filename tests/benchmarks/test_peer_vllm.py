@@ -33,6 +33,17 @@ json.dump({"vllm": "0.32.0", "torch": "2.x", "results": res}, open(args.out, "w"
 '''
 
 
+def fake_peer(tmp_path):
+    """(harness, peer dir): the stand-in bench_vllm.py and env.sh, and a venv whose python is ours."""
+    harness, peer = tmp_path / "harness", tmp_path / "peer"
+    (peer / "venv" / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, peer / "venv" / "bin" / "python")
+    harness.mkdir()
+    (harness / "bench_vllm.py").write_text(FAKE_BENCH)
+    (harness / "env.sh").write_text("export FAKE_ENV_SOURCED=1\n")
+    return harness, peer
+
+
 def test_missing_venv_names_the_setup_command(tmp_path):
     why = peer_vllm.missing(str(tmp_path / "peer"), peer_vllm.DEFAULT_HARNESS)
     if not os.path.isfile(os.path.join(peer_vllm.DEFAULT_HARNESS, "bench_vllm.py")):
@@ -42,12 +53,7 @@ def test_missing_venv_names_the_setup_command(tmp_path):
 
 
 def test_runs_the_harness_twice_and_maps_its_medians(tmp_path, monkeypatch):
-    harness, peer = tmp_path / "harness", tmp_path / "peer"
-    (peer / "venv" / "bin").mkdir(parents=True)
-    os.symlink(sys.executable, peer / "venv" / "bin" / "python")
-    harness.mkdir()
-    (harness / "bench_vllm.py").write_text(FAKE_BENCH)
-    (harness / "env.sh").write_text("export FAKE_ENV_SOURCED=1\n")
+    harness, peer = fake_peer(tmp_path)
     monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
     assert peer_vllm.missing(str(peer), str(harness)) is None
     times, name = peer_vllm.vllm_runs("/models/demo", "float32", 3, str(peer), str(harness), timeout_s=120)
@@ -66,12 +72,7 @@ def test_offline_rounds_alternate_the_engines_and_print_paired_ratios(tmp_path, 
     from tiny_checkpoints import build_checkpoint
 
     offline = load_benchmark("offline_throughput")
-    harness, peer = tmp_path / "harness", tmp_path / "peer"
-    (peer / "venv" / "bin").mkdir(parents=True)
-    os.symlink(sys.executable, peer / "venv" / "bin" / "python")
-    harness.mkdir()
-    (harness / "bench_vllm.py").write_text(FAKE_BENCH)
-    (harness / "env.sh").write_text("export FAKE_ENV_SOURCED=1\n")
+    harness, peer = fake_peer(tmp_path)
     calls = tmp_path / "calls.jsonl"
     monkeypatch.setenv("FAKE_CALLS", str(calls))
     model = build_checkpoint(str(tmp_path / "model"))
