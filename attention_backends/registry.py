@@ -92,6 +92,14 @@ def attention_backend_problem(name: str, device: torch.device | str = "cpu") -> 
     raise _unknown(name)
 
 
+def check_attention_backend(name: str, device: torch.device | str = "cpu") -> None:
+    """Raise what resolve_attention_backend would (an unknown name, a backend that cannot run on
+    `device`), without resolving, logging or building anything: the first check at start."""
+    validate_attention_backend_name(name)
+    if name != AUTO and (problem := attention_backend_problem(name, device)) is not None:
+        raise RuntimeError(problem)
+
+
 def resolve_attention_backend(name: str, device: torch.device | str = "cpu") -> str:
     """The concrete backend `name` stands for on `device`; raises ValueError for an unknown name
     and RuntimeError naming what is missing for one that cannot run here. Logs the choice."""

@@ -69,10 +69,25 @@ class TorchNativeAttention:
         kernel (cpu_kernels/) when it builds here; cpu_kernels=False, another device, or no
         compiler: the torch path over the metadata's decode tiles."""
         on_cpu = torch.device(device).type == "cpu"
-        self._paged = load_paged_attention() if cpu_kernels and on_cpu else None
-        self._prefill_kernel = load_prefill_attention() if cpu_kernels and on_cpu else None
-        self._prefill_bf16 = load_prefill_attention_bf16() if cpu_kernels and on_cpu else None
-        self._write_kv = load_write_kv() if cpu_kernels and on_cpu else None
+        self._kernels_here = cpu_kernels and on_cpu
+        self._paged = load_paged_attention() if self._kernels_here else None
+        self._prefill_kernel = load_prefill_attention() if self._kernels_here else None
+        self._write_kv = load_write_kv() if self._kernels_here else None
+        self._prefill_bf16_kernel: Callable[..., torch.Tensor] | None = None
+        self._prefill_bf16_resolved = False
+
+    @property
+    def _prefill_bf16(self) -> Callable[..., torch.Tensor] | None:
+        """The bf16 prefill kernel, looked up on the first bfloat16 prefill: a float32 model
+        never builds it."""
+        if not self._prefill_bf16_resolved:
+            self._prefill_bf16_kernel = load_prefill_attention_bf16() if self._kernels_here else None
+            self._prefill_bf16_resolved = True
+        return self._prefill_bf16_kernel
+
+    @_prefill_bf16.setter
+    def _prefill_bf16(self, kernel: Callable[..., torch.Tensor] | None) -> None:
+        self._prefill_bf16_kernel, self._prefill_bf16_resolved = kernel, True
 
     @property
     def needs_decode_tiles(self) -> bool:

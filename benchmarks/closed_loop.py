@@ -1,4 +1,4 @@
-"""The online load of issue 13 in process: a closed loop of streamed requests against one engine.
+"""The online load of online_peer.py in process: a closed loop of streamed requests against one engine.
 
 Like `vllm bench serve` with the random dataset (`online_peer.py` runs that through the HTTP
 server): N prompts of random tokens, at most C in flight, a new one added as soon as one

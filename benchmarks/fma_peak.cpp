@@ -6,7 +6,7 @@
 // and 2 sums per float32 lane (AVX512-BF16 only: AMX tiles, where present, go faster still).
 // Measured on a 2-core Zen 4 VM: float32 116 GFLOP/s on one thread, 218-220 on two; the engine's
 // float32 linears ran the demo model's prefill at 214-230 by their own timers.
-#include <torch/extension.h>
+// torch: torch_headers.h, put in front by the loader (attention_backends/cpu_kernels/build.py)
 #include <ATen/Parallel.h>
 
 #include <chrono>

@@ -13,7 +13,7 @@ other's cores; each gets a warm-up pass of the same load shape before the measur
                                                            # (H V, V H, H V): medians and each round's ratios
     python benchmarks/online_peer.py --skip-vllm --serve-args "--num-threads 2"
 
-Targets (issue 13): hybridkv >= 1.0x vLLM's request throughput, <= 1.0x its mean TTFT and TPOT.
+Goals: hybridkv >= 1.0x vLLM's request throughput, <= 1.0x its mean TTFT and TPOT.
 """
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def paired_ratios(rounds: list[dict[str, dict[str, float]]]) -> list[str]:
 
 
 def add_load_args(ap: argparse.ArgumentParser) -> None:
-    """The model and the load shape (Load's defaults: issue 13's), shared with closed_loop.py."""
+    """The model and the load shape (Load's defaults: the online load the goals are stated for), shared with closed_loop.py."""
     load = Load()
     ap.add_argument("--model", default=None, help="HF checkpoint folder (default: the demo model)")
     ap.add_argument("--dtype", default="float32")

@@ -16,7 +16,7 @@ Copy bandwidth counts the bytes read and written. A weight stream is reads only,
 read probe (a sum over a large tensor) is printed beside it as a second, diagnostic line. They
 need not agree: on a 2-core Zen 4 VM one sitting read 33.1 GB/s by copy, 32.6 by torch's sum and
 35.8 by an AVX-512 read of huge pages, while another phase of the same VM read 51.3 by copy. The
-"of limit" figures keep the copy line, as issue 13 defines it.
+"of limit" figures keep the copy line, as the performance goals define it.
 """
 from __future__ import annotations
 

@@ -41,6 +41,14 @@ logger = logging.getLogger(__name__)
 __all__ = ["NULL_PAGE", "KVCacheManager", "PrefixHit", "windowed_live_pages"]
 
 
+def request_pages_needed(specs: Sequence[SpaceSpec], num_tokens: int, page_size: int, chunk_tokens: int,
+                         prefix_caching: bool) -> dict[str, int]:
+    """Most pages one request of num_tokens holds at once in each space, computed in chunks of at
+    most chunk_tokens: every page of a whole-history space, the live window of a windowed one."""
+    live = windowed_live_pages(specs, chunk_tokens, page_size, prefix_caching)
+    return {s.name: min(s.pages_for(num_tokens, page_size), live.get(s.name, 1 << 62)) for s in specs}
+
+
 def windowed_live_pages(specs: Sequence[SpaceSpec], chunk_tokens: int, page_size: int,
                         prefix_caching: bool) -> dict[str, int]:
     """Most pages one request holds at once in each windowed space while it computes chunks of
@@ -400,13 +408,8 @@ class KVCacheManager:
     def pages_needed(self, num_tokens: int, max_chunk_tokens: int | None = None) -> dict[str, int]:
         """Most pages one request of num_tokens holds at once in each space, when it is
         computed in chunks of at most max_chunk_tokens (default: one page)."""
-        P = self.page_size
-        live = windowed_live_pages(list(self.specs.values()), max_chunk_tokens or P, P, self.index is not None)
-        out = {}
-        for name, spec in self.specs.items():
-            need = spec.pages_for(num_tokens, P)
-            out[name] = min(need, live[name]) if name in live else need
-        return out
+        return request_pages_needed(list(self.specs.values()), num_tokens, self.page_size,
+                                    max_chunk_tokens or self.page_size, self.index is not None)
 
     def spaces_short_for(self, num_tokens: int, max_chunk_tokens: int | None = None) -> list[str]:
         """Spaces too small for one request of num_tokens, as 'name (need N pages, have M)'."""

@@ -40,7 +40,7 @@ class EngineConfig:
     block_size: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
-    kv_cache_memory_bytes: int | None = None  # None = enough for max_num_seqs full-length sequences, capped at 2 GiB
+    kv_cache_memory_bytes: int | None = None  # None = engine/kv_budget.py's default (sized from the machine)
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None = max(2048, max_model_len)
     # While requests decode, size prefill chunks so a step's estimated time stays under this
@@ -172,7 +172,6 @@ class HiSparseConfig:
         return cls(**value)
 
 
-DEFAULT_KV_CACHE_CAP_BYTES = 2 << 30
 # The page size of a model that declares none (dense models): block_size=None resolves to it.
 DEFAULT_BLOCK_SIZE = 16
 # Decode steps per call when num_scheduler_steps is None and no step target is set.

@@ -21,7 +21,10 @@ from hybridkv import OPENMP_RUNTIME
 from hybridkv.block_manager.kv_cache_manager import KVCacheManager, windowed_live_pages
 from hybridkv.block_manager.space_spec import SpaceSpec
 from hybridkv.engine.config import (
-    DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_CAP_BYTES, EngineConfig, resolve_device,
+    DEFAULT_BLOCK_SIZE, EngineConfig, resolve_device,
+)
+from hybridkv.engine.kv_budget import (
+    FRACTION_VARIABLE, check_one_sequence_fits, default_kv_cache_cap_bytes, kv_cache_fraction, one_sequence_bytes,
 )
 from hybridkv.engine.decode_burst import burst_limit, burst_steps
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
@@ -30,7 +33,7 @@ from hybridkv.engine.request import Request, RequestStatus
 from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
 from hybridkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from hybridkv.model_executor.checkpoint import load_generation_config
-from hybridkv.model_executor.model_runner import ModelRunner, RunnerOutput, SampledToken
+from hybridkv.model_executor.model_runner import ModelRunner, RunnerOutput, SampledToken, model_skeleton
 from hybridkv.model_executor.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -125,28 +128,42 @@ class LLMEngine:
                         "(--device cuda) to run on it")
         model_dir = config.model
         if model_dir is None:
-            from hybridkv.model_executor.demo_model import ensure_demo_model
+            from hybridkv.model_executor.demo_model import (
+                demo_model_dir, ensure_demo_model, is_converted, prebuild_demo_kernels,
+            )
 
+            if not is_converted(demo_model_dir()) and resolve_device(config.device).type == "cpu":
+                prebuild_demo_kernels(config.dtype)  # compiled while the checkpoint converts
             model_dir = ensure_demo_model()
         self.model_dir = model_dir
+        # Everything that needs only the model's shape is planned and checked before the weights
+        # load (config.json, on the meta device): a budget too small fails in a second.
+        skeleton = model_skeleton(model_dir, config.dtype, config.max_model_len, resolve_device(config.device),
+                                  config.attention_backend)
+        specs = skeleton.specs
+        self.max_model_len = skeleton.max_model_len
+        self.block_size = self._choose_block_size(specs, skeleton.model)
+        budget = config.max_num_batched_tokens or max(2048, self.max_model_len)
+        self.hisparse = self._hisparse_plan(specs, skeleton.model) if config.enable_hisparse else None
+        device_pages = self._pages_per_space(specs, budget)
+        check_one_sequence_fits(specs, device_pages, self.block_size, self.max_model_len, budget,
+                                config.enable_prefix_caching, config.kv_cache_memory_bytes)
+        self._log_kv_budget(specs, device_pages)
+        host_pages = self._host_pages_per_space(specs, device_pages) if config.enable_hierarchical_cache else None
+
         self.runner = ModelRunner(
             model_dir, config.dtype, config.max_model_len, config.seed, config.allow_pickle_weights,
             attention_backend=config.attention_backend, dequantize_weights=config.dequantize_weights,
             device=resolve_device(config.device),
         )
-        self.max_model_len = self.runner.max_model_len
+        if self.runner.space_specs() != specs:  # a model whose spaces depend on its weights: a bug
+            raise RuntimeError(f"the loaded model's block spaces {self.runner.space_specs()} differ from the "
+                               f"ones planned from its config {specs}")
         self.tokenizer = load_tokenizer(model_dir)
         self.generation_defaults = load_generation_config(model_dir)
         self.eos_token_ids = set(self.generation_defaults.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
-
-        specs = self.runner.space_specs()
-        self.block_size = self._choose_block_size(specs)
-        budget = config.max_num_batched_tokens or max(2048, self.max_model_len)
-        self.hisparse = self._hisparse_plan(specs) if config.enable_hisparse else None
-        device_pages = self._pages_per_space(specs, budget)
-        host_pages = self._host_pages_per_space(specs, device_pages) if config.enable_hierarchical_cache else None
         self.kv = KVCacheManager(
             specs, device_pages, self.block_size, config.enable_prefix_caching,
             config.eviction_policy, config.windowed_match,
@@ -156,13 +173,6 @@ class LLMEngine:
             load_back_threshold=config.load_back_threshold,
             hisparse=self.hisparse.buffers() if self.hisparse is not None else None,
         )
-        short = self.kv.spaces_short_for(self.max_model_len, budget)
-        if short:
-            raise ValueError(
-                f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds fewer pages than one "
-                f"max_model_len={self.max_model_len} sequence needs in block space(s) {', '.join(short)}; "
-                f"raise it or lower max_model_len (or max_num_batched_tokens)"
-            )
         self.runner.bind_kv_cache(self.kv)
         if host_pages is not None:
             self.runner.bind_host_cache(host_pages, config.hicache_mem_layout)
@@ -196,7 +206,18 @@ class LLMEngine:
                 config.hicache_write_policy, config.preemption_mode,
             )
 
-    def _choose_block_size(self, specs) -> int:
+    def _log_kv_budget(self, specs: list[SpaceSpec], pages: dict[str, int]) -> None:
+        """The KV budget in the startup log: bytes, and tokens of context it holds."""
+        P = self.block_size
+        total = sum(pages[s.name] * s.bytes_per_page(P) for s in specs)
+        whole = [pages[s.name] for s in specs if not s.windowed] or list(pages.values())
+        how = ("kv_cache_memory_bytes" if self.config.kv_cache_memory_bytes is not None else
+               f"default: max_num_seqs={self.config.max_num_seqs} x max_model_len={self.max_model_len}, capped at "
+               f"{kv_cache_fraction():g} of available memory ({FRACTION_VARIABLE})")
+        logger.info("KV cache budget: %.0f MiB, %d tokens of context (%s); pages are taken as they are written",
+                    total / 2**20, min(whole) * P, how)
+
+    def _choose_block_size(self, specs, model) -> int:
         """The page size: the user's explicit block_size, or the model's default when it is None.
 
         Page boundaries must be compression boundaries, so a page size must be a multiple of
@@ -207,7 +228,7 @@ class LLMEngine:
         step = math.lcm(*ratios)
         # A model may declare its page size (DeepSeek-V4: 128). Otherwise 16, rounded up to a
         # multiple of the ratios (dense models: ratio 1, so 16).
-        default = getattr(self.runner.model, "default_block_size", None) or -(-DEFAULT_BLOCK_SIZE // step) * step
+        default = getattr(model, "default_block_size", None) or -(-DEFAULT_BLOCK_SIZE // step) * step
         if default % step:  # a model bug: its declared page size contradicts its own spaces
             raise RuntimeError(f"the model's default page size {default} is not a multiple of {ratios}")
         P = self.config.block_size
@@ -285,11 +306,11 @@ class LLMEngine:
         if self.storage is not None:
             self.storage.store(transfers)
 
-    def _hisparse_plan(self, specs):
+    def _hisparse_plan(self, specs, model):
         from hybridkv.engine.config import HiSparseConfig
         from hybridkv.engine.hisparse_plan import HiSparsePlan
 
-        layers = getattr(self.runner.model, "hisparse_layers", lambda: None)()
+        layers = getattr(model, "hisparse_layers", lambda: None)()
         return HiSparsePlan.make(HiSparseConfig.parse(self.config.hisparse_config), layers, specs,
                                  self.block_size, self.config.max_num_seqs)
 
@@ -325,8 +346,9 @@ class LLMEngine:
         budget = self.config.kv_cache_memory_bytes
         n_default = -(-seqs * (self.max_model_len + P) // P)
         hot = self.hisparse.device_bytes if self.hisparse is not None else 0
-        if budget is None:
-            budget = min(DEFAULT_KV_CACHE_CAP_BYTES, cost(n_default) + hot)
+        if budget is None:  # engine/kv_budget.py: never below one full-length sequence
+            one = one_sequence_bytes(specs, self.max_model_len, P, max_chunk_tokens, self.config.enable_prefix_caching)
+            budget = min(cost(n_default) + hot, max(default_kv_cache_cap_bytes(), one + hot))
         if self.hisparse is not None:
             budget -= hot
             if budget <= 0:

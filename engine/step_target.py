@@ -3,9 +3,8 @@ on this machine.
 
 A step target is a latency budget: while streams decode, prefill chunks are sized so that a
 stream's gaps between tokens average the target (engine/gap_budget.py). The right number of
-seconds depends on the model, the dtype and the machine. On issue 13's online load (random 512
-in / 64 out, concurrency 16, demo model, 2-core Zen 4; benchmarks/README.md, twenty-third and
-twenty-fourth sessions) the old fixed 0.25 s left TPOT at vLLM-CPU's (float32 1.02x, bf16
+seconds depends on the model, the dtype and the machine. On the online load of benchmarks/online_peer.py (random 512
+in / 64 out, concurrency 16, demo model, 2-core Zen 4; benchmarks/README.md) the old fixed 0.25 s left TPOT at vLLM-CPU's (float32 1.02x, bf16
 0.97x); the targets that beat vLLM on TTFT and TPOT at once were ~0.16-0.2 s in float32 and
 ~0.09-0.12 s in bfloat16, while 0.14 s (float32) and 0.07 s (bf16) let first tokens wait about
 as long as vLLM's or longer. Both good ranges are the time of about TOKENS_PER_TARGET prompt
@@ -42,7 +41,7 @@ LONGEST_PER_TARGET = 1.9
 # The old fixed default: a model or machine whose prefill is slower keeps it (gap_budget's
 # MIN_PREFILL_SHARE then gives prompts half of every step that decodes take most of).
 MAX_TARGET_SECONDS = 0.25
-# Issue 9 bounds a stream's p99 gap at 0.5 s.
+# The server's latency goal bounds a stream's p99 gap at 0.5 s.
 MAX_LONGEST_SECONDS = 0.4
 # Below this a step's fixed cost (scheduling, metadata, sampling: ~1 ms in Python) takes a
 # noticeable share of every short prefill chunk.

@@ -2,8 +2,8 @@
 
 Why: torch's CPU wheel ships GNU libgomp. Alone in a process it serves well, but a server shares
 its cores with the HTTP threads and, in the benchmarks, with the load generator, and a worker that
-lost its core holds every join of the step until the scheduler gives it back (session 15 measured
-the served steps ~60% slower than in process). Intel's runtime, as documented, yields while it
+lost its core holds every join of the step until the scheduler gives it back (served steps were
+measured ~60% slower than the same steps in process). Intel's runtime, as documented, yields while it
 waits for work; that it loses fewer joins that way is the likely reason, not measured directly.
 Measured on the 2-core Intel AMX VM (bf16 demo
 model, `vllm bench serve`, 64 x (512 in, 64 out) at concurrency 16; alternating runs of one

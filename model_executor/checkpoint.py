@@ -232,6 +232,10 @@ def weight_files(model_dir: str, allow_pickle: bool = False) -> list[str]:
     return list(_resolve_weights(model_dir, allow_pickle).files)
 
 
+# Bytes read from one memory map of a safetensors file before it is closed and opened again.
+REMAP_BYTES = 64 << 20
+
+
 def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
@@ -239,22 +243,34 @@ def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         return ValueError(f"{path} is not a valid safetensors file ({e}); the file is corrupt or truncated, "
                           "re-download it")
 
-    try:
-        handle = safe_open(path, framework="pt", device="cpu")
-    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) for bad headers
-        raise corrupt(e) from e
-    with handle:  # releases the memory map once the file is done (or the consumer stops early)
+    def open_file():
+        try:
+            return safe_open(path, framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own SafetensorError (and OSError) for bad headers
+            raise corrupt(e) from e
+
+    with open_file() as handle:
         try:
             names = list(handle.keys())
         except Exception as e:
             raise corrupt(e) from e
-        for name in names:
-            try:
-                tensor = handle.get_tensor(name)
-            except Exception as e:
-                raise corrupt(e) from e
-            # The yield stays outside the try: errors thrown in by the consumer are not ours to rename.
-            yield name, tensor
+    # The file is memory-mapped, and every page a tensor was read from stays in the process's
+    # resident memory until the map is closed: a shard read whole would hold its size on top of
+    # the weights it filled. So the map is reopened after every REMAP_BYTES read.
+    start = 0
+    while start < len(names):
+        with open_file() as handle:  # releases the memory map (also when the consumer stops early)
+            read = 0
+            while start < len(names) and read < REMAP_BYTES:
+                name = names[start]
+                start += 1
+                try:
+                    tensor = handle.get_tensor(name)
+                except Exception as e:
+                    raise corrupt(e) from e
+                read += tensor.numel() * tensor.element_size()
+                # The yield stays outside the try: errors thrown in by the consumer are not ours to rename.
+                yield name, tensor
 
 
 def _iter_pickle(path: str) -> Iterator[tuple[str, torch.Tensor]]:

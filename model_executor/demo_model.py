@@ -279,3 +279,15 @@ def ensure_demo_model(cache_dir: str | None = None, progress: bool = True) -> st
             bar.close()
     logger.info("demo model ready at %s", target)
     return target
+
+
+def prebuild_demo_kernels(dtype: str) -> None:
+    """Start building the C++ kernels the demo model will use (on threads, see cpu_kernels/build.py
+    prebuild) before its first conversion, so that the two run side by side on a first start.
+    The checkpoint is a float32 Llama: dtype "auto" keeps float32."""
+    import torch
+
+    from hybridkv.attention_backends.cpu_kernels.build import prebuild
+    from hybridkv.model_executor.models.llama import LlamaForCausalLM
+
+    prebuild(LlamaForCausalLM.cpu_kernel_loaders(torch.float32 if dtype == "auto" else getattr(torch, dtype)))

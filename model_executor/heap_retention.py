@@ -59,3 +59,19 @@ def retain_freed_heap() -> HeapRetention:
         return HeapRetention(False, "mallopt refused the thresholds")
     return HeapRetention(True, f"mmap threshold {MMAP_THRESHOLD_BYTES >> 20} MiB, trim threshold "
                                f"{TRIM_THRESHOLD_BYTES >> 20} MiB")
+
+
+def release_free_heap() -> bool:
+    """Hand the heap's free memory back to the OS (glibc's malloc_trim(0)): once, after the model
+    load, whose freed tensors (checkpoint reads, weights copied onto huge pages or packed) the
+    retention above would otherwise keep for the life of the process. True if it ran."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
+    return True

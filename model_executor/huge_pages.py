@@ -19,6 +19,8 @@ import ctypes
 import ctypes.util
 import logging
 import math
+import mmap
+import os
 import sys
 from functools import lru_cache
 
@@ -67,21 +69,47 @@ def huge_empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     return raw[offset:offset + nbytes].view(dtype).view(*shape)
 
 
-def kv_pool_on(device: torch.device | str, *shape: int, dtype: torch.dtype) -> torch.Tensor:
-    """A KV cache pool on `device`, zeroed: through huge_empty on the CPU, and touched here, once,
-    at engine start (torch.zero_ faults it in on every compute thread).
+PREFAULT_SWITCH = "HYBRIDKV_KV_PREFAULT"
 
-    Why not leave it untouched until a step writes it: each first write to a 2 MiB page then
-    costs the step a page fault that zeroes 2 MiB (or 512 faults of 4 KiB), and a prefix-caching
-    pool hands out never-used pages first, so every step faults until the whole pool has been
-    walked once. Measured on the 2-core Intel VM (AVX-512 + AMX), workload c (1,024 prompt
-    tokens): the KV writes took 155 ms of a 1.31 s step on untouched huge pages, 29 ms on
-    untouched small pages, ~3 ms on touched ones. Touching 2 GiB at start takes ~0.2 s there
-    (up to ~3 s the first time a fresh VM's memory is used at all). It also commits the pool's
-    memory at start, so a pool that does not fit fails then, not in the middle of a request."""
-    if torch.device(device).type == "cpu":
+
+def kv_pool_prefault_wanted() -> bool:
+    """True when HYBRIDKV_KV_PREFAULT is 1/true/on/yes (default off: pools are touched lazily)."""
+    return os.environ.get(PREFAULT_SWITCH, "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def lazy_zero_pages(nbytes: int) -> torch.Tensor:
+    """`nbytes` zero bytes (uint8) in an anonymous mapping of their own: the kernel hands out zero
+    pages as they are first written, so the process's memory grows with the pages used, not with
+    the pool's size. Small (4 KiB) pages, not huge ones: a pool is [layers, K/V, heads, slots,
+    head] and one page of context touches every (layer, K/V, head) stripe, so 2 MiB pages would
+    take 2 MiB per stripe for the first token (the demo model: 180 stripes, 360 MiB)."""
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive
+
+
+def kv_pool_on(device: torch.device | str, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """A KV cache pool on `device`, zeroed (the null page every masked or padded read points at
+    must read as zeros). On the CPU its memory is taken lazily by default (lazy_zero_pages, small
+    pages): a pool sized for a long context costs only the pages requests write, and the budget
+    can be generous without holding the machine's memory from the start.
+
+    HYBRIDKV_KV_PREFAULT=1 puts the pool on huge pages and touches all of it at start instead
+    (torch.zero_ on every compute thread), for a server that wants no step to pay a first-touch
+    fault or a TLB miss per 4 KiB of keys read: each first write to a
+    2 MiB page costs a fault that zeroes it (or 512 faults of 4 KiB), and a prefix-caching pool
+    hands out never-used pages first, so until the pool has been walked once steps pay them.
+    Measured on a 2-core Intel VM (AVX-512 + AMX), a 1,024-token prompt: the KV writes took 155 ms
+    of a 1.31 s step on untouched huge pages, 29 ms on untouched small pages, ~3 ms on touched
+    ones; touching 2 GiB at start took ~0.2 s there. Prefaulting also commits the pool's memory at
+    start, so a pool that does not fit fails then, not in the middle of a request."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(*shape, dtype=dtype, device=device)
+    if kv_pool_prefault_wanted():
         return huge_empty(*shape, dtype=dtype).zero_()
-    return torch.zeros(*shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_PAGE_BYTES:  # small pools: not worth a mapping of their own
+        return torch.zeros(*shape, dtype=dtype)
+    return lazy_zero_pages(nbytes).view(dtype).view(*shape)
 
 
 def _may_rehome(t: torch.Tensor) -> bool:
@@ -148,11 +176,11 @@ class HugePageArena:
         return out
 
 
-def move_parameters_to_huge_pages(module: torch.nn.Module) -> int:
+def move_parameters_to_huge_pages(module: torch.nn.Module, skip: frozenset[int] = frozenset()) -> int:
     """Re-home every CPU parameter and buffer of `module` on huge pages, side by side in module
-    order in one HugePageArena (in place, same values; tied parameters stay tied). Returns the
-    bytes moved."""
-    moved, seen, arena = 0, set(), HugePageArena()
+    order in one HugePageArena (in place, same values; tied parameters stay tied), except the
+    tensors whose id() is in `skip` (ones about to be released). Returns the bytes moved."""
+    moved, seen, arena = 0, set(skip), HugePageArena()
     for sub in module.modules():
         for kind in ("_parameters", "_buffers"):
             for t in getattr(sub, kind).values():

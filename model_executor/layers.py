@@ -12,6 +12,7 @@ from torch import nn
 from hybridkv.attention_backends.cpu_kernels.build import isa_flags
 from hybridkv.model_executor.cpu_kernels import amx_linear_ops, blocked_linear_ops, fused_ops
 from hybridkv.model_executor.huge_pages import HugePageArena, on_huge_pages
+from hybridkv.model_executor.heap_retention import release_free_heap
 
 logger = logging.getLogger(__name__)
 
@@ -346,7 +347,7 @@ def blocked_linear_for(weight: torch.Tensor) -> ModuleType | None:
 # 117-121, 193 rows 214-215 / 170-178, 256 rows 254-266 / 226, 320 rows 298-320 / 304-306, 512 rows
 # 464-509 / 466-490 (a slower phase of the VM than the first rows'); 1,024 rows: F.linear 788-807,
 # oneDNN's packed weight 832-861. A step of ~180 prompt tokens beside ~13 decodes (serve defaults
-# under issue 13's online load) lands just here.
+# under benchmarks/online_peer.py's load) lands just here.
 # Elsewhere MKL does not take its fast paths (it dispatches on the vendor), and the blocked kernel
 # keeps every row count. 2-core AMD EPYC, family 25 model 17 (Zen 4), the same projections, ms
 # (GFLOP/s): F.linear / blocked / oneDNN's packed weight, 32 rows 71.9 (95) / 38.5 (176) / 44.5
@@ -390,7 +391,20 @@ class BlockedLinearWeight:
     def _blocked_takes(self, x: torch.Tensor) -> bool:
         return x.dtype == torch.float32 and (self.max_rows is None or x.numel() <= self.max_rows * x.shape[-1])
 
+    @property
+    def serves_every_input(self) -> bool:
+        """Whether the column-block copy serves every float32 input (no row limit on this CPU):
+        the parameter is then read by nothing and may be released (release_parameter)."""
+        return self.max_rows is None
+
+    def release_parameter(self) -> None:
+        """Drop this object's reference to the parameter (serves_every_input must hold)."""
+        assert self.serves_every_input, "the parameter serves inputs past the row limit"
+        self.weight = None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None and x.dtype != torch.float32:  # the parameter is gone: the copy serves
+            return self(x.float()).to(x.dtype)
         if not self._blocked_takes(x):
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
@@ -534,19 +548,43 @@ def packed_forward(linear: nn.Module):
     return linear.__dict__.get("forward")
 
 
-def pack_linear_weights(model: nn.Module, arena: HugePageArena | None = None) -> int:
+# Released parameter bytes between two trims of the heap while packing: the released memory
+# goes back to the OS as it goes, so the load's peak stays near the weights' size.
+TRIM_EVERY_BYTES = 32 << 20
+
+
+def packed_copy_serves_every_input(weight: torch.Tensor) -> bool:
+    """Whether fast_linear(weight) will be a BlockedLinearWeight that serves every input here
+    (float32 weights on a non-Intel AVX-512 CPU): its parameter is then dead weight once packed."""
+    return blocked_linear_for(weight) is not None and blocked_max_rows() is None
+
+
+def release_parameter(module: nn.Linear) -> int:
+    """Replace module.weight by a meta tensor of its shape and dtype (introspection keeps working,
+    the values and their memory go); returns the bytes released."""
+    w = module.weight
+    module.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+    return w.numel() * w.element_size()
+
+
+def pack_linear_weights(model: nn.Module, arena: HugePageArena | None = None,
+                        release: frozenset[int] = frozenset()) -> int:
     """Route every nn.Linear of `model` through a prepacked weight where `packing_supported`
     says so; the others keep plain F.linear. Returns how many were packed, and logs which path
     each weight dtype took (so a slow bfloat16 decode on an AVX2-only CPU is explained in the log).
 
-    Call after the weights are loaded and cast; the parameters stay in place (state_dict and
-    introspection keep working), the packed copy is what forward reads.
+    Call after the weights are loaded and cast. The parameters stay in place (state_dict and
+    introspection keep working), the packed copy is what forward reads; except that the modules
+    whose id() is in `release` (ones nothing reads but their forward) whose packed copy serves
+    every input give up their parameter's memory (release_parameter): the weights are then held
+    once, not twice.
     """
     blocked_by_dtype: dict[torch.dtype, int] = {}
     amx_by_dtype: dict[torch.dtype, int] = {}
     packed_by_dtype: dict[torch.dtype, int] = {}
     plain_by_dtype: dict[torch.dtype, int] = {}
     widened_by_dtype: dict[torch.dtype, int] = {}
+    released_bytes = trimmed_at = 0
     arena = arena or HugePageArena()
     for module in model.modules():  # registration order, which is forward order in every model here
         if not isinstance(module, nn.Linear):
@@ -555,6 +593,12 @@ def pack_linear_weights(model: nn.Module, arena: HugePageArena | None = None) ->
         linear = fast_linear(module.weight, module.bias, arena)
         if linear is not None:
             module.forward = linear  # instance attribute shadows nn.Linear.forward
+        if id(module) in release and isinstance(linear, BlockedLinearWeight) and linear.serves_every_input:
+            linear.release_parameter()
+            released_bytes += release_parameter(module)
+            if released_bytes - trimmed_at >= TRIM_EVERY_BYTES:  # the heap keeps freed memory (heap_retention.py)
+                release_free_heap()
+                trimmed_at = released_bytes
         by_type = {BlockedLinearWeight: blocked_by_dtype, AmxLinearWeight: amx_by_dtype,
                    PackedLinearWeight: packed_by_dtype, WidenedLinearWeight: widened_by_dtype}
         counts = by_type.get(type(linear), plain_by_dtype)
@@ -576,4 +620,7 @@ def pack_linear_weights(model: nn.Module, arena: HugePageArena | None = None) ->
             "linear weights: %d %s layer(s) use plain F.linear (oneDNN prepacking is not available for "
             "this dtype on this CPU, capability %s)", n, dtype, capability,
         )
+    if released_bytes:
+        logger.info("linear weights: %.0f MiB of parameters released (their column-block copies serve every input)",
+                    released_bytes / 2**20)
     return sum(packed_by_dtype.values()) + sum(blocked_by_dtype.values()) + sum(amx_by_dtype.values())

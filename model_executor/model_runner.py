@@ -17,15 +17,17 @@ import numpy as np
 import torch
 
 from hybridkv.attention_backends.metadata import StepSequences, int_array
-from hybridkv.attention_backends.registry import get_attention_backend
+from hybridkv.attention_backends.cpu_kernels.build import prebuild
+from hybridkv.attention_backends.registry import check_attention_backend, get_attention_backend
 from hybridkv.block_manager.kv_cache_manager import KVCacheManager
 from hybridkv.model_executor.host_kv_cache import HostKVCache
-from hybridkv.model_executor.heap_retention import retain_freed_heap
+from hybridkv.model_executor.heap_retention import release_free_heap, retain_freed_heap
 from hybridkv.model_executor.huge_pages import move_parameters_to_huge_pages
 from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
 from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
 from hybridkv.model_executor.checkpoint import iter_weights, load_config, resolve_dtype, weight_files
 from hybridkv.model_executor.init_modes import SkipRandomInit
+from hybridkv.model_executor.layers import packed_copy_serves_every_input
 from hybridkv.model_executor.quantization import (
     attach_block_scales, checkpoint_bytes, describe_weights, quantization_config_of, weight_inventory,
 )
@@ -68,6 +70,41 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[list[tuple[int, float, int]]]]] = field(default_factory=dict)
 
 
+def resolve_max_model_len(config, max_model_len: int | None) -> int:
+    """The context length: the model's max_position_embeddings unless a shorter one is asked."""
+    model_max = getattr(config, "max_position_embeddings", None) or 2048
+    if max_model_len is None:
+        return model_max
+    if max_model_len > model_max:
+        raise ValueError(f"max_model_len {max_model_len} is longer than the model's max_position_embeddings {model_max}")
+    return max_model_len
+
+
+@dataclass
+class ModelSkeleton:
+    """What the engine plans KV memory from, read from config.json alone: the model built on the
+    meta device (no weights, no memory), its dtype, context length and block spaces."""
+
+    model: CausalLM
+    dtype: torch.dtype
+    max_model_len: int
+    specs: list[SpaceSpec]
+
+
+def model_skeleton(model_dir: str, dtype: str | torch.dtype, max_model_len: int | None,
+                   device: torch.device | str, attention_backend: str = "auto") -> ModelSkeleton:
+    """The model of model_dir as ModelRunner will build it, on the meta device: in well under a
+    second, so every check that needs only its shape runs before the weights load (the attention
+    backend's first of all)."""
+    check_attention_backend(attention_backend, device)
+    config = load_config(model_dir)
+    resolved = resolve_dtype(dtype, config, torch.device(device))
+    max_len = resolve_max_model_len(config, max_model_len)
+    with torch.device("meta"), SkipRandomInit():
+        model: CausalLM = resolve_model_class(config)(config, max_positions=max_len)
+    return ModelSkeleton(model, resolved, max_len, model.space_specs(resolved))
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -92,20 +129,17 @@ class ModelRunner:
         self.dequantize_weights = self.quantization is not None and dequantize_weights_wanted(
             dequantize_weights, self.quantization.dequantize
         )
-        model_max = getattr(self.config, "max_position_embeddings", None) or 2048
-        if max_model_len is None:
-            max_model_len = model_max
-        elif max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len {max_model_len} is longer than the model's max_position_embeddings {model_max}"
-            )
-        self.max_model_len = max_model_len
+        self.max_model_len = max_model_len = resolve_max_model_len(self.config, max_model_len)
+        check_attention_backend(attention_backend, self.device)  # a typo or a missing device: before anything
+        cls = resolve_model_class(self.config)
+        # The C++ kernels this model uses compile side by side (once per build environment)
+        # while the backend is resolved and the weights load; each caller waits for its own.
+        self.kernel_builds = prebuild(cls.cpu_kernel_loaders(self.dtype) if self.device.type == "cpu" else [])
         # Resolved before the (slow) load: a typo (listing the choices) or a backend that cannot
         # run here (naming the missing device or package) fails fast. "auto" -> a concrete name,
         # logged; models with their own attention (DeepSeek-V4) read attention_backend_name.
         self.backend = get_attention_backend(attention_backend, self.device)
         self.attention_backend_name: str = self.backend.name
-        cls = resolve_model_class(self.config)
         t0 = time.perf_counter()
         with self.device, SkipRandomInit():  # every weight comes from the checkpoint
             model: CausalLM = cls(self.config, max_positions=max_model_len)
@@ -116,12 +150,21 @@ class ModelRunner:
             dequantize=self.dequantize_weights, paired=quantized_names,
         ))
         model.cast_to(self.dtype)
-        if self.device.type == "cpu":  # each decode step streams them: 2 MiB pages (huge_pages.py)
-            logger.info("weights on huge pages: %.0f MiB", move_parameters_to_huge_pages(model) / 2**20)
-        self.model = model.eval()
         self.step_cost = model.step_cost()  # before packing: it counts parameters
-        if self.device.type == "cpu" and self.model_packing_wanted():
-            self.model.pack_weights()
+        packing = self.device.type == "cpu" and self.model_packing_wanted()
+        # Parameters whose packed copy will serve every input are released once packed, so
+        # they are not copied onto huge pages first (the weights are then held once).
+        release = frozenset(id(m) for m in model.linears_read_only_by_forward()
+                            if packing and packed_copy_serves_every_input(m.weight)) if packing else frozenset()
+        if self.device.type == "cpu":  # each decode step streams them: 2 MiB pages (huge_pages.py)
+            skip = frozenset(id(m.weight) for m in model.modules() if id(m) in release)
+            logger.info("weights on huge pages: %.0f MiB", move_parameters_to_huge_pages(model, skip) / 2**20)
+        self.model = model.eval()
+        if packing:
+            self.model.pack_weights(release)
+        if self.device.type == "cpu":  # the load's and the packing's freed tensors go back to the OS
+            release_free_heap()
+        self.kernel_builds.result()  # every module is ready (or logged as unavailable) before the first step
         logger.info("loaded %s (%s, %s) in %.1fs", model_dir, self.dtype, self.device, time.perf_counter() - t0)
         self._log_weights(model_dir, quantized_names, allow_pickle_weights)
         self.sampler = Sampler(torch.Generator().manual_seed(seed))

@@ -3,7 +3,6 @@ user's own), with no persistence; stopped at teardown so no process outlives its
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -11,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
+
+from system_tools import require_program
 
 STARTUP_DEADLINE_S = 10.0
 
@@ -98,8 +99,7 @@ class RedisServer:
 @pytest.fixture
 def redis_server_factory(tmp_path):
     """Factory: redis_server_factory(*extra redis-server args) -> a started RedisServer."""
-    if shutil.which("redis-server") is None:
-        pytest.fail("redis-server is not installed (apt-get install redis-server; .ci/run does it)")
+    require_program("redis-server", "apt-get install -y redis-server")
     servers: list[RedisServer] = []
 
     def start(*extra_args: str) -> RedisServer:

@@ -2,18 +2,33 @@
 
 torch.utils.cpp_extension compiles with the system g++ and ninja and caches the build under
 TORCH_EXTENSIONS_DIR (~/.cache/torch_extensions by default). The flags carry the vector ISA of
-this CPU as torch's own dispatch sees it, and the module name carries it too, so a cache shared
-between an AVX2 and an AVX-512 machine never hands one the other's code. cpu_math.h is put in
-front of every source, so the build's version hash covers it. HYBRIDKV_CPU_KERNELS=0 switches every kernel off
-(A/B runs, or a machine without g++); callers then keep their torch paths.
+this CPU as torch's own dispatch sees it. The module name carries the ISA and a key of the build
+environment (build_environment_key: interpreter prefix, torch version, compiler, flags), so a cache
+shared between an AVX2 and an AVX-512 machine never hands one the other's code, and two virtual
+environments on one machine keep a build each instead of rebuilding each other's (their include
+paths differ, and ninja rebuilds on any change of its command lines). torch_headers.h and cpu_math.h are
+put in front of every source, so the build's version hash covers them. HYBRIDKV_CPU_KERNELS=0 switches every
+kernel off (A/B runs, or a machine without g++); callers then keep their torch paths.
+
+A caller that meets a build of the same module in progress on another thread waits for that build
+and takes its outcome. prebuild() starts several builds at once on threads (each is a g++ process), which the
+model runner does at load so that the first start compiles its modules side by side, overlapped
+with the weight load, with one log line per module and its time.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import subprocess
+import sys
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -21,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "HYBRIDKV_CPU_KERNELS"
 _SHARED_HEADER = Path(__file__).with_name("cpu_math.h")
+_TORCH_HEADERS = Path(__file__).with_name("torch_headers.h")
 # torch's build lock (FileBaton: a `lock` file in the build directory, created when a build
 # starts and removed when it ends) stays behind when the building process is killed, and every
 # later process then waits on it forever. A build of these kernels takes well under a minute, so
@@ -85,27 +101,93 @@ def _build_directory(module_name: str) -> Path | None:
         return None
 
 
+@lru_cache(maxsize=1)
+def compiler_identity() -> str:
+    """The first line of `$CXX --version` (c++ by default, what torch's build calls), or "" when
+    there is none: part of the build key, so an upgraded compiler gets a build of its own."""
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return (done.stdout.splitlines() or [""])[0].strip()
+
+
+def build_environment_key(cflags: list[str] | tuple[str, ...]) -> str:
+    """A short hex key of everything a build depends on besides its sources: the interpreter
+    (its prefix: a virtual environment is one), the torch build, the compiler and the flags
+    (which carry the ISA). torch's own cache covers the sources (its version hash)."""
+    parts = [sys.prefix, sys.version, torch.__version__, str(getattr(torch.version, "git_version", "")),
+             compiler_identity(), *cflags]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+
+
+def module_name(name: str, cflags: list[str] | tuple[str, ...]) -> str:
+    """The name a module is built and cached under: `name`, the ISA tag, the environment key."""
+    tag, _ = isa_flags()
+    return f"{name}_{tag}_{build_environment_key(cflags)}"
+
+
+def extension_cflags(extra_cflags: tuple[str, ...] = ()) -> list[str]:
+    """The compiler flags of every kernel module: -O3, OpenMP, this CPU's ISA, then `extra_cflags`.
+    -fno-trapping-math lets g++ if-convert selects and divisions, which the omp simd loops over
+    exp_nonpositive need to vectorize at all; it changes no result (no FP traps are on)."""
+    _, isa = isa_flags()
+    return ["-O3", "-fopenmp", "-fno-trapping-math", *isa, *extra_cflags]
+
+
+# Per module name, for the whole process: the builds in progress, which a caller on another thread
+# waits for instead of starting its own. Outcomes are kept by the loaders' own caches (one attempt
+# per loader; a loader whose cache is cleared tries again).
+_BUILDS_GUARD = threading.Lock()
+_IN_FLIGHT: dict[str, Future] = {}
+
+
 def build_cpu_extension(name: str, source: Path, functions: list[str], what: str,
                         extra_cflags: tuple[str, ...] = (), headers: tuple[Path, ...] = ()) -> ModuleType | None:
-    """Compile `source` (with cpu_math.h in front) exposing `functions`; None, logged once by the
-    caller's cache, when switched off or when the build fails (`what` names it in the log)."""
+    """Compile `source` (with torch_headers.h and cpu_math.h in front) exposing `functions`; None,
+    logged, when switched off or when the build fails (`what` names it in the log). A build of the
+    same module in progress on another thread is waited for and its outcome returned."""
     if not kernels_enabled():
         logger.info("%s off (%s=0): the torch path runs instead", what, ENV_SWITCH)
         return None
+    tag, _ = isa_flags()
+    cflags = extension_cflags(extra_cflags)
+    full_name = module_name(name, cflags)
+    with _BUILDS_GUARD:
+        in_flight = _IN_FLIGHT.get(full_name)
+        if in_flight is None:
+            mine = _IN_FLIGHT[full_name] = Future()
+    if in_flight is not None:
+        return in_flight.result()
+    module = None
+    try:
+        module = _compile(full_name, source, functions, what, cflags, headers, tag)
+    finally:
+        with _BUILDS_GUARD:
+            del _IN_FLIGHT[full_name]
+        mine.set_result(module)
+    return module
+
+
+def _compile(full_name: str, source: Path, functions: list[str], what: str, cflags: list[str],
+             headers: tuple[Path, ...], tag: str) -> ModuleType | None:
+    start = time.perf_counter()
     try:
         from torch.utils import cpp_extension
 
-        tag, isa = isa_flags()
-        build_dir = _build_directory(f"{name}_{tag}")
+        build_dir = _build_directory(full_name)
+        cached = build_dir is not None and any(build_dir.glob(f"{full_name}*.so"))
+        if not cached:
+            logger.info("%s: compiling for %s (once per build environment)", what, tag)
         if build_dir is not None:
             await_build_lock(build_dir)
-        # -fno-trapping-math lets g++ if-convert selects and divisions, which the omp simd loops
-        # over exp_nonpositive need to vectorize at all; it changes no result (no FP traps are on).
         module = cpp_extension.load_inline(
-            name=f"{name}_{tag}",
-            cpp_sources=["\n".join(h.read_text() for h in (_SHARED_HEADER, *headers, source))],
+            name=full_name,
+            cpp_sources=["\n".join(h.read_text() for h in (_TORCH_HEADERS, _SHARED_HEADER, *headers, source))],
             functions=functions,
-            extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", *isa, *extra_cflags],
+            no_implicit_headers=True,  # torch_headers.h instead of <torch/extension.h>
+            extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
@@ -113,5 +195,37 @@ def build_cpu_extension(name: str, source: Path, functions: list[str], what: str
         logger.warning("%s unavailable (%s: %s); the torch path runs instead", what, type(e).__name__,
                        str(e).splitlines()[0] if str(e) else "")
         return None
-    logger.info("%s built for %s", what, tag)
+    seconds = time.perf_counter() - start
+    if cached:
+        logger.debug("%s loaded from the build cache (%.1f s)", what, seconds)
+    else:
+        logger.info("%s built for %s in %.1f s", what, tag, seconds)
     return module
+
+
+def prebuild(loaders: list[Callable[[], object]], workers: int | None = None) -> Future:
+    """Call every loader (each builds its module, see build_cpu_extension) on a pool of threads,
+    `workers` at a time (default: one per core, at most 4), and return a future that completes
+    when all have. Callers that need a module meanwhile wait for its build only."""
+    if not kernels_enabled() or not loaders:
+        done: Future = Future()
+        done.set_result(None)
+        return done
+    pool = ThreadPoolExecutor(max_workers=workers or max(1, min(4, os.cpu_count() or 1)),
+                              thread_name_prefix="hybridkv-kernel-build")
+    futures = [pool.submit(loader) for loader in loaders]
+    pool.shutdown(wait=False)
+    whole: Future = Future()
+    remaining = [len(futures)]
+    count_guard = threading.Lock()
+
+    def one_done(_: Future) -> None:
+        with count_guard:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            whole.set_result(None)
+
+    for f in futures:
+        f.add_done_callback(one_done)
+    return whole

@@ -23,7 +23,7 @@
 //     element broadcast against one vector multiplies it into kLanes heads at once (run). Few
 //     rows are also split by entry segments across threads, and the segments' top-k sets are
 //     merged at the end by the same total order.
-#include <torch/extension.h>
+// torch: torch_headers.h, put in front by the loader (attention_backends/cpu_kernels/build.py)
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 

@@ -20,7 +20,7 @@
 // may not read never reach its output: their logits are -inf and their weights exactly 0,
 // skipped in the weighted sum; a per-row set does not even read them (a shared set's columns
 // are all written keys).
-#include <torch/extension.h>
+// torch: torch_headers.h, put in front by the loader (attention_backends/cpu_kernels/build.py)
 #include <ATen/Parallel.h>
 
 #include <algorithm>

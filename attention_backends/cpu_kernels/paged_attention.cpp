@@ -21,7 +21,7 @@
 // value row is widened once for all the query heads under its KV head, and bf16 keys are scored
 // by vdpbf16ps where the CPU has AVX512-BF16 (Intel AMX VM, bf16, 32 decodes sharing a
 // 1,020-token prefix, cache-resident: 1,104 -> 786 us a layer; 114 keys each 110 -> 95 us).
-#include <torch/extension.h>
+// torch: torch_headers.h, put in front by the loader (attention_backends/cpu_kernels/build.py)
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

@@ -2,7 +2,7 @@
 // groups at consecutive positions of one sequence each, K/V read in place through the group's
 // block-table row. The loader puts this file in front of those kernels (after cpu_math.h).
 #pragma once
-#include <torch/extension.h>
+// torch: torch_headers.h, put in front by the loader (attention_backends/cpu_kernels/build.py)
 
 #include <algorithm>
 #include <cstdint>

@@ -24,7 +24,7 @@
 // block of -inf scores as weights exp(-inf) = 0, not NaN. Work items run largest first from a
 // shared counter: with causal masking a tile's cost grows with its position, and a static split
 // of the item range over two threads would leave one with three quarters of the work.
-#include <torch/extension.h>
+// torch: torch_headers.h, put in front by the loader (attention_backends/cpu_kernels/build.py)
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 

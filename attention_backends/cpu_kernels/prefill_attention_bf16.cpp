@@ -31,7 +31,7 @@
 //     exceeds it by more than 8 (log2 units), so O and the sums are rescaled rarely. The next
 //     block's scores are issued before this block's softmax. Blocks no row of the item may see
 //     are skipped. Items run largest first from a shared counter, like the float32 kernel's.
-#include <torch/extension.h>
+// torch: torch_headers.h, put in front by the loader (attention_backends/cpu_kernels/build.py)
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>

@@ -21,10 +21,14 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 import torch
 
-from hybridkv.attention_backends.cpu_kernels import AMX_TILES_HEADER, build_cpu_extension
+from hybridkv.attention_backends.cpu_kernels import (
+    AMX_TILES_HEADER, build_cpu_extension, load_paged_attention_module, load_prefill_attention,
+    load_prefill_attention_bf16,
+)
 
 _FUNCTIONS = ["skinny_linear", "rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "hc_sinkhorn_", "argmax_rows",
               "kernel_addresses"]
@@ -79,3 +83,15 @@ def amx_linear_ops() -> ModuleType | None:
                                  extra_cflags=("-mamx-tile", "-mamx-bf16", "-mavx512bf16", "-ffp-contract=off"),
                                  headers=(AMX_TILES_HEADER,))
     return module if module is not None and module.amx_available() else None
+
+
+def dense_model_kernel_loaders(dtype: torch.dtype) -> list[Callable[[], object]]:
+    """The modules a dense (Llama-family) model in `dtype` uses on the CPU: attention (paged and
+    prefill; the bf16 prefill kernel and the AMX linear only for bfloat16), the fused ops, the
+    blocked linear and the fused decode layers. The attention modules first: the attention
+    backend waits for them before the weights load."""
+    loaders: list[Callable[[], object]] = [load_paged_attention_module, load_prefill_attention, decode_layers_ops,
+                                           blocked_linear_ops, fused_ops]
+    if dtype == torch.bfloat16:
+        loaders += [load_prefill_attention_bf16, amx_linear_ops]
+    return loaders

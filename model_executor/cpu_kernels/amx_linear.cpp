@@ -13,7 +13,7 @@
 // and each weight tile is read from memory once per row chunk. Rows past M are zero-padded in a
 // copy of x (only when M is not a multiple of 16). Products of bf16 values are exact and the
 // sums float32, as in blocked_linear_bf16 and oneDNN; the result is rounded to bf16 once.
-#include <torch/extension.h>
+// torch: torch_headers.h, put in front by the loader (attention_backends/cpu_kernels/build.py)
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 

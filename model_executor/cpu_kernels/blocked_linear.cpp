@@ -13,7 +13,7 @@
 // step of M rows, oneDNN / this kernel: M=1 28 / 18 ms, 4: 30 / 20, 8: 36 / 22, 16: 40 / 31,
 // 32: 54 / 41, 64: 89 / 64, 128: 132 / 111, 1,024: 840 / 862. Decode steps are where oneDNN was
 // far from both limits (32 rows: 127 GFLOP/s, weights at 5 GB/s).
-#include <torch/extension.h>
+// torch: torch_headers.h, put in front by the loader (attention_backends/cpu_kernels/build.py)
 #include <ATen/Parallel.h>
 
 #include <algorithm>

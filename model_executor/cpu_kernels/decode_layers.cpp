@@ -30,7 +30,7 @@
 //   hidden = hidden + post_ff_norm(linear(gelu_tanh(gate) * up)), gate|up = linear(pre_ff_norm(hidden))
 // and the final norm is norm(hidden). Sliding and full layers read their own RoPE table
 // (layer_rope) and block space (layer_space).
-#include <torch/extension.h>
+// torch: torch_headers.h, put in front by the loader (attention_backends/cpu_kernels/build.py)
 
 #include <cstdint>
 #include <string>

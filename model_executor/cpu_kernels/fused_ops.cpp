@@ -19,7 +19,7 @@
 // which the loader puts in front of this file. Built with -ffp-contract=off, so that a*b + c*d
 // rounds as torch's separate ops do: rotary is then bit-identical to the torch expression, and
 // the others differ only in summation order or in exp.
-#include <torch/extension.h>
+// torch: torch_headers.h, put in front by the loader (attention_backends/cpu_kernels/build.py)
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 

@@ -30,12 +30,20 @@ class CausalLM(nn.Module):
     (attention_layers(): modules with .space, .num_kv_heads, .head_dim and k_cache / v_cache /
     backend slots) each keep one K and one V per token in one space:
       default_block_size, allocate_kv_cache, build_attention_metadata, cast_to, pack_weights,
-      step_cost, decode_burst.
+      step_cost, decode_burst, cpu_kernel_loaders.
     """
 
     # The page size this model prefers when the user leaves block_size at the engine default;
     # None = the engine default fits (DeepSeek-V4 wants 128: a multiple of its compress ratios).
     default_block_size: int | None = None
+
+    @classmethod
+    def cpu_kernel_loaders(cls, dtype: torch.dtype) -> list[Callable[[], object]]:
+        """The C++ kernel modules this model uses on the CPU in `dtype`, as their loaders: the
+        runner builds them side by side while the weights load (cpu_kernels/build.py prebuild)."""
+        from hybridkv.model_executor.cpu_kernels import dense_model_kernel_loaders
+
+        return dense_model_kernel_loaders(dtype)
 
     def space_specs(self, dtype: torch.dtype) -> list[SpaceSpec]:  # pragma: no cover - interface
         raise NotImplementedError
@@ -128,9 +136,16 @@ class CausalLM(nn.Module):
         for p in self.parameters():
             p.data = p.data.to(dtype)
 
-    def pack_weights(self) -> None:
-        """Prepack projections for the CPU's oneDNN kernels (the runner calls this on CPU only)."""
-        pack_linear_weights(self)
+    def pack_weights(self, release: frozenset[int] = frozenset()) -> None:
+        """Prepack projections for the CPU's oneDNN kernels (the runner calls this on CPU only);
+        the linears whose id() is in `release` give up their parameter where the packed copy
+        serves every input (layers.pack_linear_weights)."""
+        pack_linear_weights(self, release=release)
+
+    def linears_read_only_by_forward(self) -> list[nn.Linear]:
+        """The nn.Linear modules nothing reads but their own forward (not their .weight): their
+        parameters may be released once packed. None by default; a model lists the ones it can."""
+        return []
 
 
 def load_stacked_weights(

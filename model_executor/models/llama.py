@@ -224,11 +224,16 @@ class LlamaForCausalLM(CausalLM):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return hidden @ weight.t()
 
-    def pack_weights(self) -> None:
+    def linears_read_only_by_forward(self) -> list[nn.Linear]:
+        """The decoder layers' projections (the fused decode reads the packed copies; an untied
+        lm_head's parameter is read by the fused decode's logits, so it stays)."""
+        return [m for m in self.layers.modules() if isinstance(m, nn.Linear)]
+
+    def pack_weights(self, release: frozenset[int] = frozenset()) -> None:
         """Prepack every projection and the logits matrix for the CPU's fastest linear
         (layers.fast_linear), side by side in one arena in the order a step reads them."""
         arena = HugePageArena()
-        pack_linear_weights(self, arena)
+        pack_linear_weights(self, arena, release)
         self._fused_decode = FusedDecode.for_model(self)
         if isinstance(self.lm_head, QuantizedLinear):
             return

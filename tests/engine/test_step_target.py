@@ -15,15 +15,15 @@ from hybridkv.engine.step_timer import StepTimer
 
 
 def test_target_is_a_fixed_number_of_prompt_tokens_within_its_bounds():
-    # The demo model on issue 13's load (Zen 4): ~1.17 ms a prompt token at the average rate of
+    # The demo model on online_peer.py's load (Zen 4): ~1.17 ms a prompt token at the average rate of
     # steps with prefill in float32, ~0.73 ms in bf16 -> inside the ranges that met vLLM-CPU's TTFT
     # and TPOT at once (~0.16-0.2 s and ~0.09-0.12 s).
     assert auto_step_target(1.17e-3) == pytest.approx((TOKENS_PER_TARGET * 1.17e-3, TOKENS_PER_TARGET * 1.17e-3 * 1.9))
     assert 0.16 <= auto_step_target(1.17e-3)[0] <= 0.2 and 0.09 <= auto_step_target(0.73e-3)[0] <= 0.12
     assert auto_step_target(1e-6) == pytest.approx((MIN_TARGET_SECONDS, MIN_TARGET_SECONDS * LONGEST_PER_TARGET))
-    # A slow model keeps the old fixed default, and no step is planned past issue 9's gap bound.
+    # A slow model keeps the old fixed default, and no step is planned past the server's gap bound.
     assert auto_step_target(0.1) == (MAX_TARGET_SECONDS, MAX_LONGEST_SECONDS)
-    assert MAX_LONGEST_SECONDS <= 0.5, "issue 9 bounds a stream's p99 gap at 0.5 s"
+    assert MAX_LONGEST_SECONDS <= 0.5, "the server's latency goal bounds a stream's p99 gap at 0.5 s"
     for seconds in (1e-6, 1e-4, 1e-3, 1.0):
         target, longest = auto_step_target(seconds)
         assert MIN_TARGET_SECONDS <= target <= longest <= MAX_LONGEST_SECONDS

@@ -186,15 +186,34 @@ def resident_fraction(t: torch.Tensor) -> float:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) on Linux")
 @pytest.mark.parametrize("switch", ["1", "0"])
-def test_a_kv_pool_is_resident_and_zero_when_it_is_made(monkeypatch, switch):
-    """No step pays a first-touch page fault in the pool: kv_pool_on touches every page (huge or
-    small) when the engine starts, and the pool reads as zeros (the null page every padded read
-    points at must be zero)."""
+def test_a_prefaulted_kv_pool_is_resident_and_zero_when_it_is_made(monkeypatch, switch):
+    """With HYBRIDKV_KV_PREFAULT=1 no step pays a first-touch page fault in the pool: kv_pool_on
+    touches every page (huge or small) when the engine starts, and the pool reads as zeros (the
+    null page every padded read points at must be zero)."""
     monkeypatch.setenv(huge_pages.ENV_SWITCH, switch)
+    monkeypatch.setenv(huge_pages.PREFAULT_SWITCH, "1")
     pool = kv_pool_on("cpu", 2, 3, 1 << 20, dtype=torch.float32)  # 24 MiB
     assert pool.shape == (2, 3, 1 << 20) and pool.dtype == torch.float32
     assert resident_fraction(pool) == 1.0, "every page of the pool must be resident"
     assert not pool.any(), "the pool must start zeroed"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) on Linux")
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_a_lazy_kv_pool_costs_only_the_pages_written(monkeypatch, switch):
+    """By default a pool's memory is taken as pages are written: a fresh pool is (almost) not
+    resident, reads as zeros, and writing one slice makes about that slice resident."""
+    monkeypatch.setenv(huge_pages.ENV_SWITCH, switch)
+    monkeypatch.delenv(huge_pages.PREFAULT_SWITCH, raising=False)
+    pool = kv_pool_on("cpu", 8, 1 << 20, dtype=torch.float32)  # 32 MiB
+    assert pool.shape == (8, 1 << 20) and pool.dtype == torch.float32
+    assert resident_fraction(pool) < 0.1, "a fresh lazy pool must not be resident"
+    pool[1].fill_(1.0)  # 4 MiB of 32
+    assert 0.12 <= resident_fraction(pool) <= 0.13, "writing 1/8 of the pool must make 1/8 resident"
+    assert not pool[0].any() and not pool[2:].any() and bool((pool[1] == 1).all())
+    del pool  # the mapping goes with the last view
+    small = kv_pool_on("cpu", 4, 16, dtype=torch.float16)
+    assert not small.any() and small.dtype == torch.float16
 
 
 @linux_thp

@@ -1,4 +1,4 @@
-"""Prefix caching on models with windowed block spaces (shadow prefix index, issue 4):
+"""Prefix caching on models with windowed block spaces (shadow prefix index):
 DeepSeek-V4 tiny configs (swa + state_c4/state_c128 windowed rings, c4/c128/indexer whole-history), Mistral
 (all-SWA) and Gemma-3 (full + SWA). A hit at every page boundary, with every windowed page
 outside the kept tails tombstoned, gives the no-cache run's greedy tokens and logprobs."""

@@ -106,3 +106,35 @@ def test_model_executor_never_imports_engine():
                 bad += [f"{path.name}: {n}" for n in names
                         if n.split(".")[:2] in (["hybridkv", "engine"], ["hybridkv", "entrypoints"])]
     assert not bad, bad
+
+
+def test_weights_are_held_once_where_the_packed_copy_serves_every_input(tiny_ckpt, monkeypatch):
+    """Where the column-block copy serves every input (float32 on an AVX-512 CPU other than
+    Intel's), the decoder layers' linear parameters are released once packed (meta tensors of the
+    same shape), and the outputs are those of a run that keeps them (packing off: the same
+    tokens, logprobs to float32 rounding, as the two linears round differently)."""
+    from torch import nn
+
+    from hybridkv.model_executor.layers import packed_copy_serves_every_input
+
+    path = tiny_ckpt("llama")
+    prompts = [{"prompt_token_ids": _prompt(n, 300, seed=n)} for n in (7, 40)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    packed = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4)
+    model = packed.engine.runner.model
+    linears = [m for m in model.layers.modules() if isinstance(m, nn.Linear)]
+    monkeypatch.setenv("HYBRIDKV_PACK_WEIGHTS", "0")
+    plain = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4)
+    plain_linears = [m for m in plain.engine.runner.model.layers.modules() if isinstance(m, nn.Linear)]
+    if not packed_copy_serves_every_input(plain_linears[0].weight):
+        assert not any(m.weight.is_meta for m in linears), "a parameter some input still reads was released"
+        pytest.skip("on this CPU the packed copy does not serve every input: parameters are kept")
+    assert all(m.weight.is_meta for m in linears), "a packed parameter was kept beside its copy"
+    assert [m.weight.shape for m in linears] == [m.weight.shape for m in plain_linears], "shapes were lost"
+    assert not model.embed_tokens.weight.is_meta, "the embedding is read by lookup and must stay"
+    a, b = packed.generate(prompts, params), plain.generate(prompts, params)
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for got, want in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert got.keys() == want.keys()
+            assert all(abs(got[t].logprob - want[t].logprob) < 1e-4 for t in got)

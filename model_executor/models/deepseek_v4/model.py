@@ -62,6 +62,15 @@ class DeepseekV4ForCausalLM(CausalLM):
     # Page boundaries must be compression boundaries: 128 is a multiple of every V4 ratio.
     default_block_size = 128
 
+    @classmethod
+    def cpu_kernel_loaders(cls, dtype: torch.dtype) -> list:
+        """The lightning indexer and the joint attention (hybrid_v4.py), the fused ops (RMSNorm,
+        mHC's Sinkhorn) and the linears."""
+        from hybridkv.attention_backends.cpu_kernels import load_indexer_topk, load_joint_attention
+        from hybridkv.model_executor.cpu_kernels import blocked_linear_ops, fused_ops
+
+        return [load_joint_attention, load_indexer_topk, blocked_linear_ops, fused_ops]
+
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         cfg = V4Config.from_hf(config)

@@ -28,7 +28,7 @@ import pytest
 
 from benchmarks import soak
 
-# Targets (issue 9): stream gaps 0.5 s, /health 100 ms, on the 2-core Zen 3 machine. Measured there
+# Goals: stream gaps 0.5 s, /health 100 ms, on the 2-core Zen 3 machine. Measured there
 # (standalone runs of this test, demo model, float32), quiet gap 0.09 s at first:
 #   before prompts kept their pages in one run: p99 0.78 s, longest 1.06 s (late in the 8k prompt);
 #   since (2026-12-02, two runs on a machine 1.61x / 1.43x slower than that quiet gap): p99 0.39 /
