@@ -111,8 +111,12 @@ def _rope_inv_freq(config, head_dim: int, layer_type: str | None) -> tuple[torch
     if fn is None:
         raise ValueError(f"rope_type {rope_type!r} is not supported; known: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
     kwargs = {"layer_type": layer_type} if layer_type is not None else {}
-    inv, scaling = fn(config, torch.device("cpu"), **kwargs)
-    return inv.float(), float(scaling)
+    # Computed on the CPU whatever device the model is being built on (transformers' functions
+    # need values: the meta device of a model skeleton has none), then moved there.
+    target = torch.get_default_device()
+    with torch.device("cpu"):
+        inv, scaling = fn(config, torch.device("cpu"), **kwargs)
+    return inv.float().to(target), float(scaling)
 
 
 class SiluAndMulMLP(nn.Module):
