@@ -20,7 +20,7 @@ _ORDINALS = ("first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|e
              "thirtieth|fortieth|fiftieth")
 PROCESS_WORDS = re.compile(
     "|".join([
-        r"sess" + r"ion [0-9]",
+        r"sess" + r"ions? [0-9]",
         r"[0-9](st|nd|rd|th) sess" + "ion",
         r"iss" + r"ue [0-9]",
         rf"\b(?:(?:twenty|thirty|forty|fifty)[- ])?(?:{_ORDINALS})[- ]sess" + r"ions?\b",

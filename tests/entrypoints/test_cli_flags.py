@@ -113,6 +113,20 @@ def test_unknown_policy_is_refused_by_the_parser(capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, size", [("2147483648", 2 << 30), ("64MiB", 64 << 20), ("1.5GiB", 3 << 29),
+                                        ("500MB", 500 * 10**6), ("2G", 2 * 10**9), ("4 kib", 4096)])
+def test_byte_sizes_take_units(text, size):
+    args = build_parser().parse_args(["generate", "--kv-cache-memory-bytes", text, "--hicache-size", text])
+    assert args.kv_cache_memory_bytes == size and args.hicache_size == size
+
+
+@pytest.mark.parametrize("text", ["lots", "64 parsecs", "-5", ""])
+def test_a_byte_size_without_a_number_and_unit_is_refused_naming_the_form(text, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--kv-cache-memory-bytes", text])
+    assert "expected bytes, e.g. 2147483648, 2GiB or 512MiB" in capsys.readouterr().err
+
+
 SERVE_ARGV = [
     "--keepalive-timeout", "3.5", "--body-timeout", "7", "--max-connections", "9", "--max-seqs-per-request", "11",
     "--max-queued-requests", "13", "--metrics-require-api-key", "--max-request-body-bytes", "4096", "--api-key", "k",
