@@ -45,6 +45,8 @@ never by batch x longest context:
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 

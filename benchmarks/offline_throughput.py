@@ -44,7 +44,8 @@ def hybridkv_runs(args, w):
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
 
     def engine(**extra) -> LLM:
-        llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, seed=0, num_threads=args.threads, **extra)
+        llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, seed=0, num_threads=args.threads,
+                  kv_cache_prefault=args.kv_cache_prefault, **extra)
         llm.generate([{"prompt_token_ids": p} for p in w["warmup"]["prompts_ids"]], greedy(8), use_tqdm=False)
         return llm
 
@@ -137,6 +138,9 @@ def main() -> None:
     ap.add_argument("--peer-harness", default=peer_vllm.DEFAULT_HARNESS, help="../shared/bench/vllm_cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--workloads", default=os.path.join(HERE, "workloads.json"))
+    ap.add_argument("--kv-cache-prefault", action=argparse.BooleanOptionalAction, default=True,
+                    help="KV pools on huge pages, touched at start, as a throughput job runs them (default: on; "
+                         "--no-kv-cache-prefault: LLM's default, pages taken as they are written)")
     args = ap.parse_args()
     if args.rounds < 1 or args.repeats < 1:
         ap.error("--rounds and --repeats must be at least 1")

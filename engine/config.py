@@ -41,6 +41,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     kv_cache_memory_bytes: int | None = None  # None = engine/kv_budget.py's default (sized from the machine)
+    # CPU KV pools: False (offline default) takes their memory as pages are first written, on
+    # 4 KiB pages; True puts them on huge pages and touches all of them at start, so no step pays
+    # a first-touch fault (model_executor/huge_pages.py kv_pool_on). None = False for LLM and
+    # `hybridkv generate`, True for `hybridkv serve`.
+    kv_cache_prefault: bool | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None = max(2048, max_model_len)
     # While requests decode, size prefill chunks so a step's estimated time stays under this

@@ -173,7 +173,7 @@ class LLMEngine:
             load_back_threshold=config.load_back_threshold,
             hisparse=self.hisparse.buffers() if self.hisparse is not None else None,
         )
-        self.runner.bind_kv_cache(self.kv)
+        self.runner.bind_kv_cache(self.kv, prefault=bool(config.kv_cache_prefault))
         if host_pages is not None:
             self.runner.bind_host_cache(host_pages, config.hicache_mem_layout)
         self.storage = self._make_storage_tier(specs) if config.hicache_storage_backend is not None else None
@@ -214,8 +214,9 @@ class LLMEngine:
         how = ("kv_cache_memory_bytes" if self.config.kv_cache_memory_bytes is not None else
                f"default: max_num_seqs={self.config.max_num_seqs} x max_model_len={self.max_model_len}, capped at "
                f"{kv_cache_fraction():g} of available memory ({FRACTION_VARIABLE})")
-        logger.info("KV cache budget: %.0f MiB, %d tokens of context (%s); pages are taken as they are written",
-                    total / 2**20, min(whole) * P, how)
+        taken = ("on huge pages, touched at start (kv_cache_prefault)" if self.config.kv_cache_prefault
+                 else "pages taken as they are written")
+        logger.info("KV cache budget: %.0f MiB, %d tokens of context (%s); %s", total / 2**20, min(whole) * P, how, taken)
 
     def _choose_block_size(self, specs, model) -> int:
         """The page size: the user's explicit block_size, or the model's default when it is None.

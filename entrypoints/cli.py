@@ -72,6 +72,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=byte_size, default=None,
                    help="KV cache budget over every block space, e.g. 2GiB (default: what --max-num-seqs "
                         "full-length sequences need, capped at a quarter of the available memory)")
+    p.add_argument("--kv-cache-prefault", action=argparse.BooleanOptionalAction, default=None,
+                   help="put the CPU KV pools on huge pages and touch them at start, so no step pays a "
+                        "first-touch fault (default: on for serve; off for generate, whose pools are taken "
+                        "as pages are written)")
     p.add_argument("--chat-template", default=None, help="Jinja chat template (a file path or the template text)")
     p.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
                    help="order of waiting requests: fcfs, or cache-aware lpm / dfs-weight (default: fcfs)")
@@ -149,6 +153,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_threads=args.num_threads,
         num_scheduler_steps=args.num_scheduler_steps,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_prefault=args.kv_cache_prefault,
         chat_template=template,
         scheduling_policy=args.scheduling_policy,
         eviction_policy=args.eviction_policy,
@@ -195,6 +200,8 @@ def serve_engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = engine_kwargs(args)
     if args.target_step_seconds is None:  # serving default; an explicit 0 turns it off
         kwargs["target_step_seconds"] = SERVE_TARGET_STEP_SECONDS
+    if args.kv_cache_prefault is None:  # a server holds its memory for its life: steady steps from the start
+        kwargs["kv_cache_prefault"] = True
     return kwargs
 
 

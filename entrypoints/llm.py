@@ -85,6 +85,7 @@ class LLM:
         hisparse_config: str | dict | None = None,
         num_threads: int | None = None,
         num_scheduler_steps: int | None = None,
+        kv_cache_prefault: bool | None = None,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -122,6 +123,7 @@ class LLM:
                 hisparse_config=hisparse_config,
                 num_threads=num_threads,
                 num_scheduler_steps=num_scheduler_steps,
+                kv_cache_prefault=kv_cache_prefault,
             )
         )
 

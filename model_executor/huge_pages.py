@@ -20,7 +20,6 @@ import ctypes.util
 import logging
 import math
 import mmap
-import os
 import sys
 from functools import lru_cache
 
@@ -69,14 +68,6 @@ def huge_empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     return raw[offset:offset + nbytes].view(dtype).view(*shape)
 
 
-PREFAULT_SWITCH = "HYBRIDKV_KV_PREFAULT"
-
-
-def kv_pool_prefault_wanted() -> bool:
-    """True when HYBRIDKV_KV_PREFAULT is 1/true/on/yes (default off: pools are touched lazily)."""
-    return os.environ.get(PREFAULT_SWITCH, "0").strip().lower() in ("1", "true", "on", "yes")
-
-
 def lazy_zero_pages(nbytes: int) -> torch.Tensor:
     """`nbytes` zero bytes (uint8) in an anonymous mapping of their own: the kernel hands out zero
     pages as they are first written, so the process's memory grows with the pages used, not with
@@ -87,15 +78,18 @@ def lazy_zero_pages(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 
-def kv_pool_on(device: torch.device | str, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+def kv_pool_on(device: torch.device | str, *shape: int, dtype: torch.dtype, prefault: bool = False) -> torch.Tensor:
     """A KV cache pool on `device`, zeroed (the null page every masked or padded read points at
     must read as zeros). On the CPU its memory is taken lazily by default (lazy_zero_pages, small
     pages): a pool sized for a long context costs only the pages requests write, and the budget
     can be generous without holding the machine's memory from the start.
 
-    HYBRIDKV_KV_PREFAULT=1 puts the pool on huge pages and touches all of it at start instead
-    (torch.zero_ on every compute thread), for a server that wants no step to pay a first-touch
-    fault or a TLB miss per 4 KiB of keys read: each first write to a
+    With `prefault` (EngineConfig.kv_cache_prefault; `hybridkv serve`'s default) the pool is on
+    huge pages and all of it is touched here instead (torch.zero_ on every compute thread), for
+    a server that wants no step to pay a first-touch fault or a TLB miss per 4 KiB of keys read.
+    Lazily taken pools cost a few percent on prefill-heavy work (2-core Zen 4, float32 demo model,
+    benchmarks/offline_throughput.py, two alternating rounds: a 1,024-token prompt 1.47-1.50 s
+    against 1.40, 32 x 128 tokens 12.9-13.1 s against 12.2-12.8). Each first write to a
     2 MiB page costs a fault that zeroes it (or 512 faults of 4 KiB), and a prefix-caching pool
     hands out never-used pages first, so until the pool has been walked once steps pay them.
     Measured on a 2-core Intel VM (AVX-512 + AMX), a 1,024-token prompt: the KV writes took 155 ms
@@ -104,7 +98,7 @@ def kv_pool_on(device: torch.device | str, *shape: int, dtype: torch.dtype) -> t
     start, so a pool that does not fit fails then, not in the middle of a request."""
     if torch.device(device).type != "cpu":
         return torch.zeros(*shape, dtype=dtype, device=device)
-    if kv_pool_prefault_wanted():
+    if prefault:
         return huge_empty(*shape, dtype=dtype).zero_()
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE_BYTES:  # small pools: not worth a mapping of their own

@@ -197,11 +197,12 @@ class ModelRunner:
     def space_specs(self) -> list[SpaceSpec]:
         return self.model.space_specs(self.dtype)
 
-    def bind_kv_cache(self, kv: KVCacheManager) -> None:
-        """Allocate each space's physical tensors (the model's hook) and bind them to its layers."""
+    def bind_kv_cache(self, kv: KVCacheManager, prefault: bool = False) -> None:
+        """Allocate each space's physical tensors (the model's hook) and bind them to its layers;
+        prefault: on huge pages, touched now (huge_pages.kv_pool_on), rather than taken lazily."""
         self.kv = kv
         self.windows = {name: spec.window for name, spec in kv.specs.items()}
-        self.kv_caches = self.model.allocate_kv_cache(kv, self.backend, self.dtype, self.device)
+        self.kv_caches = self.model.allocate_kv_cache(kv, self.backend, self.dtype, self.device, prefault=prefault)
 
     def bind_host_cache(self, host_pages: dict[str, int], layout: str) -> None:
         """The host tier's page buffers for every space (HiCache L2); pinned on CUDA."""

@@ -59,7 +59,7 @@ class CausalLM(nn.Module):
 
     # -- hooks with defaults -------------------------------------------------------------------
     def allocate_kv_cache(
-        self, kv: "KVCacheManager", backend, dtype: torch.dtype, device: torch.device
+        self, kv: "KVCacheManager", backend, dtype: torch.dtype, device: torch.device, prefault: bool = False
     ) -> dict[str, list[torch.Tensor]]:
         """Allocate each space's physical K/V tensors and bind every attention layer its slice
         and the attention backend. Returns space -> every physical tensor of that space (here
@@ -67,9 +67,9 @@ class CausalLM(nn.Module):
         page s // slots_per_page, the contract the host tier (HostKVCache) copies pages by.
 
         Head-major [Hkv, slots, D] per layer: a gather of any slots yields one contiguous block per
-        KV head, the layout the attention matmuls read fastest. Zeroed and touched once here, on
-        huge pages on the CPU (huge_pages.kv_pool_on: a step never pays a first-touch fault), so
-        the null page every padded or masked read of the backends points at is zero too."""
+        KV head, the layout the attention matmuls read fastest. Zeroed (huge_pages.kv_pool_on: taken
+        as pages are written, or with `prefault` on huge pages and touched here), so the null page
+        every padded or masked read of the backends points at is zero too."""
         per_space: dict[str, list[nn.Module]] = {}
         for attn in self.attention_layers():
             per_space.setdefault(attn.space, []).append(attn)
@@ -78,7 +78,7 @@ class CausalLM(nn.Module):
             space = kv.spaces[name]
             slots = space.num_physical_pages * kv.page_size
             a = attns[0]
-            cache = kv_pool_on(device, len(attns), 2, a.num_kv_heads, slots, a.head_dim, dtype=dtype)
+            cache = kv_pool_on(device, len(attns), 2, a.num_kv_heads, slots, a.head_dim, dtype=dtype, prefault=prefault)
             for i, attn in enumerate(attns):
                 attn.k_cache, attn.v_cache = cache[i, 0], cache[i, 1]
                 attn.backend = backend

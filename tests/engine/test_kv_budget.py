@@ -4,12 +4,14 @@ refused before the weights load, naming the flags to change."""
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 
 from hybridkv import LLM
 from hybridkv.engine import kv_budget
 from hybridkv.model_executor import model_runner
+from memory_pages import resident_fraction
 
 
 @pytest.fixture
@@ -67,3 +69,18 @@ def test_the_fraction_scales_the_cap(monkeypatch):
     assert kv_budget.default_kv_cache_cap_bytes() == 500 << 20
     monkeypatch.delenv(kv_budget.FRACTION_VARIABLE)
     assert kv_budget.default_kv_cache_cap_bytes() == 250 << 20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) on Linux")
+def test_the_kv_cache_is_taken_lazily_unless_prefaulted(tiny_ckpt):
+    """LLM's default pool is (almost) not resident after start, however large the budget; with
+    kv_cache_prefault every page of it is resident before the first request."""
+    path = tiny_ckpt("llama")
+    budget = 64 << 20
+    lazy = LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=budget)
+    (pool,) = lazy.engine.runner.kv_caches["full"]
+    assert pool.numel() * pool.element_size() > 32 << 20
+    assert resident_fraction(pool) < 0.05, "the default KV pool was touched at start"
+    eager = LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=budget, kv_cache_prefault=True)
+    (pool,) = eager.engine.runner.kv_caches["full"]
+    assert resident_fraction(pool) == 1.0, "a prefaulted pool must be resident before the first request"

@@ -175,3 +175,10 @@ def test_serve_defaults_to_the_auto_step_target():
         EngineConfig(model="m", **serve_engine_kwargs(parse(["serve", "--max-step-seconds", "-1"])))
     with pytest.raises(SystemExit):
         parse(["serve", "--target-step-seconds", "soon"])
+
+def test_serve_prefaults_the_kv_cache_and_generate_takes_it_lazily():
+    parse = build_parser().parse_args
+    assert serve_engine_kwargs(parse(["serve"]))["kv_cache_prefault"] is True
+    assert serve_engine_kwargs(parse(["serve", "--no-kv-cache-prefault"]))["kv_cache_prefault"] is False
+    assert engine_kwargs(parse(["generate"]))["kv_cache_prefault"] is None  # LLM's default: lazy
+    assert engine_kwargs(parse(["generate", "--kv-cache-prefault"]))["kv_cache_prefault"] is True

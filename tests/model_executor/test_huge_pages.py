@@ -1,9 +1,6 @@
 """huge_pages: large CPU tensors start on a 2 MiB boundary and are advised MADV_HUGEPAGE before
 first touch; small ones, views and the off switch stay plain; an arena lays tensors of any size
 side by side on advised huge pages; moving weights keeps their values and their ties."""
-import ctypes
-import ctypes.util
-import os
 import re
 import sys
 from pathlib import Path
@@ -13,6 +10,7 @@ import torch
 from torch import nn
 
 from hybridkv.model_executor import huge_pages
+from memory_pages import resident_fraction
 from hybridkv.model_executor.huge_pages import (
     ARENA_ALIGN, HUGE_PAGE_BYTES, HugePageArena, huge_empty, kv_pool_on, move_parameters_to_huge_pages, on_huge_pages,
 )
@@ -167,32 +165,14 @@ def test_kv_pool_on_other_devices_is_zeroed_torch_tensor():
     assert t.device.type == "meta" and t.shape == (4, 4)
 
 
-def resident_fraction(t: torch.Tensor) -> float:
-    """The fraction of the memory pages under t's storage that are resident, by mincore(2).
-
-    Per page, over exactly the tensor's bytes: the Rss of the mapping at data_ptr would not do,
-    because the allocator's region may be split into several mappings (an earlier madvise on
-    part of it) or be larger than the tensor."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    page = os.sysconf("SC_PAGE_SIZE")
-    start = t.data_ptr() // page * page
-    length = t.data_ptr() + t.numel() * t.element_size() - start
-    pages = -(-length // page)
-    vec = (ctypes.c_ubyte * pages)()
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, ctypes.get_errno()
-    return sum(b & 1 for b in vec) / pages
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) on Linux")
 @pytest.mark.parametrize("switch", ["1", "0"])
 def test_a_prefaulted_kv_pool_is_resident_and_zero_when_it_is_made(monkeypatch, switch):
-    """With HYBRIDKV_KV_PREFAULT=1 no step pays a first-touch page fault in the pool: kv_pool_on
-    touches every page (huge or small) when the engine starts, and the pool reads as zeros (the
-    null page every padded read points at must be zero)."""
+    """With prefault (a server's default) no step pays a first-touch page fault in the pool:
+    kv_pool_on touches every page (huge or small) when the engine starts, and the pool reads as
+    zeros (the null page every padded read points at must be zero)."""
     monkeypatch.setenv(huge_pages.ENV_SWITCH, switch)
-    monkeypatch.setenv(huge_pages.PREFAULT_SWITCH, "1")
-    pool = kv_pool_on("cpu", 2, 3, 1 << 20, dtype=torch.float32)  # 24 MiB
+    pool = kv_pool_on("cpu", 2, 3, 1 << 20, dtype=torch.float32, prefault=True)  # 24 MiB
     assert pool.shape == (2, 3, 1 << 20) and pool.dtype == torch.float32
     assert resident_fraction(pool) == 1.0, "every page of the pool must be resident"
     assert not pool.any(), "the pool must start zeroed"
@@ -204,7 +184,6 @@ def test_a_lazy_kv_pool_costs_only_the_pages_written(monkeypatch, switch):
     """By default a pool's memory is taken as pages are written: a fresh pool is (almost) not
     resident, reads as zeros, and writing one slice makes about that slice resident."""
     monkeypatch.setenv(huge_pages.ENV_SWITCH, switch)
-    monkeypatch.delenv(huge_pages.PREFAULT_SWITCH, raising=False)
     pool = kv_pool_on("cpu", 8, 1 << 20, dtype=torch.float32)  # 32 MiB
     assert pool.shape == (8, 1 << 20) and pool.dtype == torch.float32
     assert resident_fraction(pool) < 0.1, "a fresh lazy pool must not be resident"

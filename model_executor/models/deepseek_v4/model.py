@@ -140,13 +140,13 @@ class DeepseekV4ForCausalLM(CausalLM):
         )
 
     def allocate_kv_cache(
-        self, kv, backend, dtype: torch.dtype, device: torch.device
+        self, kv, backend, dtype: torch.dtype, device: torch.device, prefault: bool = False
     ) -> dict[str, list[torch.Tensor]]:
         """Allocate every space's tensors and bind each layer's views. V4's layers use their own
         hybrid backend (HybridV4Attention, or its Triton kernels when `backend` is the Triton
-        one: hybrid_backend), not `backend` itself (None is fine). Zeroed and touched once here
-        (huge_pages.kv_pool_on), so the null page every masked or padded read of the hybrid
-        metadata points at (its slot 0) is zero.
+        one: hybrid_backend), not `backend` itself (None is fine). Zeroed (huge_pages.kv_pool_on:
+        taken as pages are written, or with `prefault` on huge pages and touched here), so the null
+        page every masked or padded read of the hybrid metadata points at (its slot 0) is zero.
         Returns every tensor of each space (swa; c4/c128 and indexer per layer; state_c4 / state_c128 x2 per
         compressor), slots on dim -2: a page copy to the host tier must cover all of them."""
         P = kv.page_size
@@ -154,7 +154,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         caches: dict[str, list[torch.Tensor]] = {name: [] for name in kv.spaces}
 
         def pool(space: str, *shape: int, dtype: torch.dtype) -> torch.Tensor:
-            t = kv_pool_on(device, *shape, dtype=dtype)  # huge pages on the CPU: decode streams these
+            t = kv_pool_on(device, *shape, dtype=dtype, prefault=prefault)
             caches[space].append(t)
             return t
 
