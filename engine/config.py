@@ -89,7 +89,7 @@ class EngineConfig:
     # HiCache L3: a store under the host tier, shared across processes (SGLang's names).
     hicache_storage_backend: str | None = None  # None | "file" | "redis"
     hicache_storage_backend_extra_config: str | dict | None = None  # JSON or dict, e.g. {"url": "redis://..."}
-    hicache_storage_dir: str | None = None  # file backend directory (default ~/.cache/hybridkv/kv_store)
+    hicache_storage_dir: str | None = None  # file backend directory (default $HYBRIDKV_CACHE_DIR/kv_store, ~/.cache/hybridkv/kv_store)
     hicache_storage_prefetch_policy: str = "timeout"  # best_effort | wait_complete | timeout
     # HiSparse (DeepSeek-V4 CSA layers): decode reads C4 entries from a per-request hot buffer;
     # the full C4 history is a host mirror charged to host memory, not to kv_cache_memory_bytes.

@@ -280,9 +280,10 @@ class LLMEngine:
             except json.JSONDecodeError as e:
                 raise ValueError(f"hicache_storage_backend_extra_config is not valid JSON: {e}") from None
         extra = dict(extra or {})
-        if cfg.hicache_storage_backend == "file":
-            extra.setdefault("dir", cfg.hicache_storage_dir or os.path.join(
-                os.path.expanduser("~"), ".cache", "hybridkv", "kv_store"))
+        if cfg.hicache_storage_backend == "file":  # beside the demo model, under HYBRIDKV_CACHE_DIR
+            from hybridkv.model_executor.demo_model import default_cache_dir
+
+            extra.setdefault("dir", cfg.hicache_storage_dir or os.path.join(default_cache_dir(), "kv_store"))
         backend = make_backend(cfg.hicache_storage_backend, extra)
         self.kv.index.chain_seed = fp.seed
         logger.info("storage tier (HiCache L3): backend=%s prefetch=%s fingerprint=%s",

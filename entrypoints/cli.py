@@ -120,7 +120,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     h.add_argument("--hicache-storage-backend-extra-config", default=None,
                    help='JSON settings of the store, e.g. \'{"url": "redis://127.0.0.1:6379/0"}\'')
     h.add_argument("--hicache-storage-dir", default=None,
-                   help="directory of the file store (default ~/.cache/hybridkv/kv_store)")
+                   help="directory of the file store (default $HYBRIDKV_CACHE_DIR/kv_store, else ~/.cache/hybridkv/kv_store)")
     h.add_argument("--hicache-storage-prefetch-policy", default="timeout",
                    choices=["best_effort", "wait_complete", "timeout"],
                    help="how long a request waits for its prefix to be read from the store (default: timeout)")

@@ -467,3 +467,12 @@ def test_aborting_a_waiting_request_releases_its_host_pin(tiny_ckpt, tmp_path):
     assert storage.num_pinned_pages == 0 and eng.kv.index.num_host_pins == 0 and storage.num_outstanding == 0
     eng.abort_request("running")
     eng.kv.check_invariants()
+
+
+def test_the_file_store_defaults_to_the_cache_directory(tiny_ckpt, tmp_path, monkeypatch):
+    """Without hicache_storage_dir the file store lives under HYBRIDKV_CACHE_DIR, beside the
+    demo model, so one variable moves everything hybridkv writes."""
+    monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(tmp_path / "cache"))
+    llm = LLM(tiny_ckpt("llama"), dtype="float32", max_model_len=128, enable_hierarchical_cache=True,
+              hicache_storage_backend="file")
+    assert llm.engine.storage.backend.root == str(tmp_path / "cache" / "kv_store")
