@@ -73,9 +73,12 @@ def check_one_sequence_fits(specs: Sequence[SpaceSpec], pages: dict[str, int], p
     if not short:
         return
     mib = one_sequence_bytes(specs, max_model_len, page_size, chunk_tokens, prefix_caching) / 2**20
+    # Windowed spaces are sized for max_num_seqs decoding sequences first: fewer leaves more of
+    # the budget to the whole-history spaces.
+    seqs = ", --max-num-seqs" if any(s.windowed for s in specs) else ""
     raise ValueError(
         f"kv_cache_memory_bytes={kv_cache_memory_bytes} (--kv-cache-memory-bytes) holds fewer pages than one "
         f"max_model_len={max_model_len} sequence needs in block space(s) {', '.join(short)}; one such sequence "
-        f"takes ~{mib:.0f} MiB of KV: raise --kv-cache-memory-bytes, or lower --max-model-len "
+        f"takes ~{mib:.0f} MiB of KV: raise --kv-cache-memory-bytes, or lower --max-model-len{seqs} "
         f"(or --max-num-batched-tokens)"
     )
