@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from hybridkv.attention_backends.hybrid_metadata import C4
 from hybridkv.block_manager.hisparse import HotBuffers
 from hybridkv.block_manager.space_spec import SpaceSpec
@@ -50,5 +52,7 @@ class HiSparsePlan:
     def mirror_pages(self, bytes_per_page: int) -> int | None:
         return None if self.mirror_bytes is None else max(1, self.mirror_bytes // bytes_per_page)
 
-    def buffers(self) -> HotBuffers:
-        return HotBuffers(self.num_layers, self.rows, self.hot_buffer_size, self.topk)
+    def buffers(self, device: torch.device | str) -> HotBuffers:
+        """The hot buffers' bookkeeping, on the engine's device (where the hot buffers, the top-k
+        and a fused swap-in kernel read it)."""
+        return HotBuffers(self.num_layers, self.rows, self.hot_buffer_size, self.topk, device=device)

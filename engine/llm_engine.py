@@ -171,7 +171,7 @@ class LLMEngine:
             max_requests=min(config.max_num_seqs, 64),
             host_pages=host_pages, hicache_write_policy=config.hicache_write_policy,
             load_back_threshold=config.load_back_threshold,
-            hisparse=self.hisparse.buffers() if self.hisparse is not None else None,
+            hisparse=self.hisparse.buffers(resolve_device(config.device)) if self.hisparse is not None else None,
         )
         self.runner.bind_kv_cache(self.kv, prefault=bool(config.kv_cache_prefault))
         if host_pages is not None:

@@ -235,3 +235,25 @@ def test_hisparse_with_the_host_tier_equals_both_off(v4_path):
     assert second.metrics["prompt_tokens_from_host"] >= 288, second.metrics
     _same([first, second], want)
     assert llm.engine.kv.hisparse.num_active == 0
+
+
+def test_the_hot_buffers_bookkeeping_lives_on_the_engines_device(v4_path, monkeypatch):
+    """Every HotBuffers tensor is created on the device the engine runs on (on CUDA the hot
+    buffers, the top-k and the fused swap-in read it there): the engine passes its device, and
+    the buffers put every table on it (checked on the meta device, a stand-in for CUDA here)."""
+    from hybridkv.engine.hisparse_plan import HiSparsePlan
+
+    asked = []
+    original = HiSparsePlan.buffers
+
+    def record(self, device):
+        asked.append(torch.device(device))
+        return original(self, device)
+
+    monkeypatch.setattr(HiSparsePlan, "buffers", record)
+    llm = LLM(v4_path("w16_topk8"), enable_hisparse=True, **KW)
+    assert asked == [torch.device("cpu")], "the engine did not pass its device to the hot buffers"
+    tables = llm.engine.hisparse.buffers("meta")
+    tensors = {name: t for name, t in vars(tables).items() if isinstance(t, torch.Tensor)}
+    assert tensors and all(t.device.type == "meta" for t in tensors.values()), \
+        {n: t.device for n, t in tensors.items()}
