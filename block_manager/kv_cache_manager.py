@@ -411,14 +411,6 @@ class KVCacheManager:
         return request_pages_needed(list(self.specs.values()), num_tokens, self.page_size,
                                     max_chunk_tokens or self.page_size, self.index is not None)
 
-    def spaces_short_for(self, num_tokens: int, max_chunk_tokens: int | None = None) -> list[str]:
-        """Spaces too small for one request of num_tokens, as 'name (need N pages, have M)'."""
-        return [
-            f"{name} (needs {n} pages, has {self.spaces[name].num_pages})"
-            for name, n in self.pages_needed(num_tokens, max_chunk_tokens).items()
-            if n > self.spaces[name].num_pages
-        ]
-
     # -- the per-step protocol -----------------------------------------------------------------
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, prompt_done: bool = False) -> None:
         """A step computed the request up to num_computed_tokens: publish its new whole pages
