@@ -154,7 +154,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             model_dir, config.dtype, config.max_model_len, config.seed, config.allow_pickle_weights,
             attention_backend=config.attention_backend, dequantize_weights=config.dequantize_weights,
-            device=resolve_device(config.device),
+            device=resolve_device(config.device), skeleton=skeleton,
         )
         if self.runner.space_specs() != specs:  # a model whose spaces depend on its weights: a bug
             raise RuntimeError(f"the loaded model's block spaces {self.runner.space_specs()} differ from the "

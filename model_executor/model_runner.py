@@ -85,6 +85,7 @@ class ModelSkeleton:
     """What the engine plans KV memory from, read from config.json alone: the model built on the
     meta device (no weights, no memory), its dtype, context length and block spaces."""
 
+    config: object  # the checkpoint's config (transformers' PretrainedConfig)
     model: CausalLM
     dtype: torch.dtype
     max_model_len: int
@@ -102,7 +103,7 @@ def model_skeleton(model_dir: str, dtype: str | torch.dtype, max_model_len: int 
     max_len = resolve_max_model_len(config, max_model_len)
     with torch.device("meta"), SkipRandomInit():
         model: CausalLM = resolve_model_class(config)(config, max_positions=max_len)
-    return ModelSkeleton(model, resolved, max_len, model.space_specs(resolved))
+    return ModelSkeleton(config, model, resolved, max_len, model.space_specs(resolved))
 
 
 class ModelRunner:
@@ -116,20 +117,24 @@ class ModelRunner:
         attention_backend: str = "auto",
         device: torch.device | str = "cpu",
         dequantize_weights: bool | None = None,
+        skeleton: ModelSkeleton | None = None,
     ) -> None:
+        """`skeleton`: the engine's model_skeleton of the same arguments, whose config, dtype and
+        context length are taken as they are (resolved and logged once)."""
         self.device = torch.device(device)
         if self.device.type == "cpu":  # each layer's activations are freed and allocated again
             retention = retain_freed_heap()
             logger.info("heap retention (heap_retention.py): %s (%s)", "on" if retention.applied else "off",
                         retention.reason)
-        self.config = load_config(model_dir)
-        self.dtype = resolve_dtype(dtype, self.config, self.device)
+        self.config = load_config(model_dir) if skeleton is None else skeleton.config
+        self.dtype = resolve_dtype(dtype, self.config, self.device) if skeleton is None else skeleton.dtype
         # Validated before the (slow) load: an unsupported quant_method / fmt fails fast.
         self.quantization = quantization_config_of(self.config)
         self.dequantize_weights = self.quantization is not None and dequantize_weights_wanted(
             dequantize_weights, self.quantization.dequantize
         )
-        self.max_model_len = max_model_len = resolve_max_model_len(self.config, max_model_len)
+        self.max_model_len = max_model_len = (resolve_max_model_len(self.config, max_model_len) if skeleton is None
+                                              else skeleton.max_model_len)
         check_attention_backend(attention_backend, self.device)  # a typo or a missing device: before anything
         cls = resolve_model_class(self.config)
         # The C++ kernels this model uses compile side by side (once per build environment)

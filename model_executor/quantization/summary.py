@@ -38,6 +38,10 @@ class WeightInventory:
     quantized: dict[str, list[str]] = field(default_factory=dict)  # format -> module names
     quantized_bytes: dict[str, int] = field(default_factory=dict)
     dense_bytes: dict[torch.dtype, int] = field(default_factory=dict)
+    # The CPU linears' packed copies (layers.fast_linear): held beside the parameters, or instead
+    # of them where a parameter was released once packed. Not in total_bytes, which counts the
+    # checkpoint's tensors as loaded.
+    packed_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -62,12 +66,32 @@ def weight_inventory(model: nn.Module) -> WeightInventory:
             counted.add(module.bias.data_ptr())
             inv.dense_bytes[module.bias.dtype] = inv.dense_bytes.get(module.bias.dtype, 0) + module.bias.nbytes
     for tensor in model.state_dict(keep_vars=True).values():
+        if tensor.is_meta:  # a parameter released once packed: its packed copy is counted below
+            continue
         ptr = tensor.data_ptr()
         if ptr in counted or tensor.numel() == 0:
             continue
         counted.add(ptr)
         inv.dense_bytes[tensor.dtype] = inv.dense_bytes.get(tensor.dtype, 0) + tensor.nbytes
+    inv.packed_bytes = _packed_copy_bytes(model)
     return inv
+
+
+def _packed_copy_bytes(model: nn.Module) -> int:
+    """Bytes of the packed weight copies the model's modules hold (their `packed` /
+    `blocked_packed` tensors: layers.BlockedLinearWeight, AmxLinearWeight, PackedLinearWeight;
+    oneDNN's opaque copies are not counted)."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        for obj in vars(module).values():
+            for attr in ("packed", "blocked_packed"):
+                t = getattr(obj, attr, None)
+                if (isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta
+                        and t.data_ptr() not in seen):
+                    seen.add(t.data_ptr())
+                    total += t.nbytes
+    return total
 
 
 def weight_memory_bytes(model: nn.Module) -> int:
@@ -96,8 +120,11 @@ def describe_weights(
         lines.append(f"block-quantized weights dequantized at load (requested): {len(dequantized_at_load)} "
                      f"tensor(s): {name_patterns(dequantized_at_load)}")
     dense = ", ".join(f"{str(d).removeprefix('torch.')} {_gib(b)}" for d, b in sorted(inv.dense_bytes.items(), key=str))
-    total = f"weight memory {_gib(inv.total_bytes)}"
+    held = inv.total_bytes + inv.packed_bytes
+    total = f"weight memory {_gib(held)}"
+    if inv.packed_bytes:
+        total += f" (parameters {_gib(inv.total_bytes)}, packed copies for the CPU linears {_gib(inv.packed_bytes)})"
     if file_bytes:
-        total += f" (checkpoint files {_gib(file_bytes)}, ratio {inv.total_bytes / file_bytes:.2f})"
+        total += f" (checkpoint files {_gib(file_bytes)}, ratio {held / file_bytes:.2f})"
     lines.append(f"{total}; dense tensors: {dense or 'none'}")
     return lines

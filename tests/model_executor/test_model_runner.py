@@ -132,6 +132,12 @@ def test_weights_are_held_once_where_the_packed_copy_serves_every_input(tiny_ckp
     assert all(m.weight.is_meta for m in linears), "a packed parameter was kept beside its copy"
     assert [m.weight.shape for m in linears] == [m.weight.shape for m in plain_linears], "shapes were lost"
     assert not model.embed_tokens.weight.is_meta, "the embedding is read by lookup and must stay"
+    from hybridkv.model_executor.quantization.summary import weight_inventory
+
+    inventory = weight_inventory(model)  # what the startup log reports
+    released = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    assert inventory.packed_bytes >= released, "the packed copies are missing from the weight memory"
+    assert inventory.total_bytes < released, "released parameters are still counted as held"
     a, b = packed.generate(prompts, params), plain.generate(prompts, params)
     for x, y in zip(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
