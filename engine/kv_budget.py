@@ -6,10 +6,10 @@ not after a model load of minutes.
 
 The default budget (kv_cache_memory_bytes=None) is what max_num_seqs full-length sequences need,
 capped at a fraction of the memory the machine has available at start (HYBRIDKV_KV_CACHE_FRACTION,
-default 0.25, as vLLM's CPU backend sizes its KV space from the machine rather than a constant),
-and never below what one max_model_len sequence needs. The pools behind it are taken lazily on the
-CPU (model_executor/huge_pages.py kv_pool_on): the budget is a ceiling, and the process holds the
-pages its requests write.
+default 0.25), and never below what one max_model_len sequence needs: a constant would be too much
+for a laptop and too little for a server. Unless kv_cache_prefault is on, the pools behind it are
+taken lazily on the CPU (model_executor/huge_pages.py kv_pool_on): the budget is a ceiling, and the
+process holds the pages its requests write.
 """
 from __future__ import annotations
 

@@ -398,13 +398,8 @@ class BlockedLinearWeight:
     @property
     def serves_every_input(self) -> bool:
         """Whether the column-block copy serves every float32 input (no row limit on this CPU):
-        the parameter is then read by nothing and may be released (release_parameter)."""
+        the parameter is then read by nothing and may be released (release_packed_parameter)."""
         return self.max_rows is None
-
-    def release_parameter(self) -> None:
-        """Drop this object's reference to the parameter (serves_every_input must hold)."""
-        assert self.serves_every_input, "the parameter serves inputs past the row limit"
-        self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is None and x.dtype != torch.float32:  # the parameter is gone: the copy serves
@@ -563,10 +558,13 @@ def packed_copy_serves_every_input(weight: torch.Tensor) -> bool:
     return blocked_linear_for(weight) is not None and blocked_max_rows() is None
 
 
-def release_parameter(module: nn.Linear) -> int:
-    """Replace module.weight by a meta tensor of its shape and dtype (introspection keeps working,
-    the values and their memory go); returns the bytes released."""
+def release_packed_parameter(module: nn.Linear, linear: BlockedLinearWeight) -> int:
+    """Drop the parameter `linear` (module's packed forward) no longer reads: module.weight becomes a
+    meta tensor of its shape and dtype (introspection keeps working, the values and their memory
+    go). Returns the bytes released."""
+    assert linear.serves_every_input, "the parameter serves inputs past the row limit"
     w = module.weight
+    linear.weight = None
     module.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
     return w.numel() * w.element_size()
 
@@ -580,7 +578,7 @@ def pack_linear_weights(model: nn.Module, arena: HugePageArena | None = None,
     Call after the weights are loaded and cast. The parameters stay in place (state_dict and
     introspection keep working), the packed copy is what forward reads; except that the modules
     whose id() is in `release` (ones nothing reads but their forward) whose packed copy serves
-    every input give up their parameter's memory (release_parameter): the weights are then held
+    every input give up their parameter's memory (release_packed_parameter): the weights are then held
     once, not twice.
     """
     blocked_by_dtype: dict[torch.dtype, int] = {}
@@ -598,8 +596,7 @@ def pack_linear_weights(model: nn.Module, arena: HugePageArena | None = None,
         if linear is not None:
             module.forward = linear  # instance attribute shadows nn.Linear.forward
         if id(module) in release and isinstance(linear, BlockedLinearWeight) and linear.serves_every_input:
-            linear.release_parameter()
-            released_bytes += release_parameter(module)
+            released_bytes += release_packed_parameter(module, linear)
             if released_bytes - trimmed_at >= TRIM_EVERY_BYTES:  # the heap keeps freed memory (heap_retention.py)
                 release_free_heap()
                 trimmed_at = released_bytes

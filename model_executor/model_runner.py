@@ -11,6 +11,7 @@ import itertools
 import logging
 import os
 import time
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -169,7 +170,7 @@ class ModelRunner:
             self.model.pack_weights(release)
         if self.device.type == "cpu":  # the load's and the packing's freed tensors go back to the OS
             release_free_heap()
-        self.kernel_builds.result()  # every module is ready (or logged as unavailable) before the first step
+        wait(self.kernel_builds)  # every module is ready (or logged as unavailable) before the first step
         logger.info("loaded %s (%s, %s) in %.1fs", model_dir, self.dtype, self.device, time.perf_counter() - t0)
         self._log_weights(model_dir, quantized_names, allow_pickle_weights)
         self.sampler = Sampler(torch.Generator().manual_seed(seed))

@@ -170,6 +170,11 @@ def build_cpu_extension(name: str, source: Path, functions: list[str], what: str
     return module
 
 
+# A module found in the cache loads in well under this; longer means torch rebuilt it (its sources
+# changed since), which the log then reports like a first build.
+CACHED_LOAD_SECONDS = 3.0
+
+
 def _compile(full_name: str, source: Path, functions: list[str], what: str, cflags: list[str],
              headers: tuple[Path, ...], tag: str) -> ModuleType | None:
     start = time.perf_counter()
@@ -196,36 +201,21 @@ def _compile(full_name: str, source: Path, functions: list[str], what: str, cfla
                        str(e).splitlines()[0] if str(e) else "")
         return None
     seconds = time.perf_counter() - start
-    if cached:
+    if cached and seconds < CACHED_LOAD_SECONDS:
         logger.debug("%s loaded from the build cache (%.1f s)", what, seconds)
     else:
         logger.info("%s built for %s in %.1f s", what, tag, seconds)
     return module
 
 
-def prebuild(loaders: list[Callable[[], object]], workers: int | None = None) -> Future:
+def prebuild(loaders: list[Callable[[], object]], workers: int | None = None) -> list[Future]:
     """Call every loader (each builds its module, see build_cpu_extension) on a pool of threads,
-    `workers` at a time (default: one per core, at most 4), and return a future that completes
-    when all have. Callers that need a module meanwhile wait for its build only."""
+    `workers` at a time (default: one per core, at most 4); returns their futures (wait for them
+    with concurrent.futures.wait). Callers that need a module meanwhile wait for its build only."""
     if not kernels_enabled() or not loaders:
-        done: Future = Future()
-        done.set_result(None)
-        return done
+        return []
     pool = ThreadPoolExecutor(max_workers=workers or max(1, min(4, os.cpu_count() or 1)),
                               thread_name_prefix="hybridkv-kernel-build")
     futures = [pool.submit(loader) for loader in loaders]
-    pool.shutdown(wait=False)
-    whole: Future = Future()
-    remaining = [len(futures)]
-    count_guard = threading.Lock()
-
-    def one_done(_: Future) -> None:
-        with count_guard:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            whole.set_result(None)
-
-    for f in futures:
-        f.add_done_callback(one_done)
-    return whole
+    pool.shutdown(wait=False)  # the threads end with their builds
+    return futures

@@ -135,7 +135,7 @@ def test_concurrent_callers_wait_for_one_build(tmp_path, monkeypatch):
     source = tmp_path / "answer.cpp"
     source.write_text("int64_t answer() { return 1; }\n")
     load = lambda: build.build_cpu_extension("hybridkv_test_concurrent", source, ["answer"], "test kernel")  # noqa: E731
-    done = build.prebuild([load])
+    (done,) = build.prebuild([load])
     deadline = time.monotonic() + 10
     while not calls and time.monotonic() < deadline:
         time.sleep(0.01)
