@@ -236,7 +236,7 @@ def host_hit_check(rep: Report, ref: list[list[int]], tokens: int) -> None:
     kv = llm.engine.kv
     for name, space in kv.spaces.items():
         kv.index.evict(name, space.num_pages)
-    llm.engine._flush_tier_transfers()
+    llm.engine.executor.flush_copies()
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
     from_host = sum(o.metrics["prompt_tokens_from_host"] for o in outs)

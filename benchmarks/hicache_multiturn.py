@@ -65,7 +65,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import torch  # noqa: E402
 
 from hybridkv import LLM, SamplingParams  # noqa: E402
-from hybridkv.engine.llm_engine import windowed_space_caps  # noqa: E402
+from hybridkv.engine.kv_memory_plan import windowed_space_caps  # noqa: E402
 
 TARGET_THROUGHPUT_X = 3.0
 TARGET_TTFT_REDUCTION_PCT = 56.0
@@ -302,7 +302,7 @@ def run_in_new_process(args, model: str | None, kw: dict, work: Workload, vocab:
 
 def device_bytes_for(specs: dict, page: int, n: int, seqs: int, chunk: int) -> int:
     """kv_cache_memory_bytes for which the engine gives every whole-history space n pages:
-    its split (LLMEngine._pages_per_space) gives a windowed space min(n + seqs, its cap) pages
+    its split (kv_memory_plan.pages_per_space) gives a windowed space min(n + seqs, its cap) pages
     (prefix caching on: this benchmark measures the prefix cache)."""
     caps = windowed_space_caps(list(specs.values()), page, seqs, chunk, prefix_caching=True)
     total = 0

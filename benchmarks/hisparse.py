@@ -49,6 +49,7 @@ import torch  # noqa: E402
 
 from hybridkv import LLM, SamplingParams  # noqa: E402
 from hybridkv.block_manager.hisparse import HotBuffers  # noqa: E402
+from hybridkv.engine.kv_memory_plan import pages_per_space  # noqa: E402
 
 OVERRIDES = dict(head_dim=128, partial_rotary_factor=0.0625, index_topk=8,
                  compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
@@ -92,21 +93,20 @@ def capacity(llm: LLM, tokens: int, pages: dict[str, int] | None = None, max_num
 def max_batch(model: str, tokens: int, budget: int, hot: int | None) -> int:
     """The largest decode batch m that fits `budget`: the engine's page split for
     max_num_seqs=m (windowed spaces and hot buffers are sized for m running sequences) holds m
-    sequences. The split is the engine's own (LLMEngine._pages_per_space), re-run for each m."""
+    sequences. The split is the engine's own (kv_memory_plan.pages_per_space), re-run for each m."""
     llm = LLM(model, **engine_kw(tokens, 1, budget, hot))
     eng = llm.engine
     specs = list(eng.kv.specs.values())
     config, plan = eng.config, eng.hisparse
 
     def fits(m: int) -> bool:
-        eng.config = dataclasses.replace(config, max_num_seqs=m)
-        eng.hisparse = dataclasses.replace(plan, rows=m) if plan is not None else None
         try:
-            return capacity(llm, tokens, eng._pages_per_space(specs, config.max_num_batched_tokens), m) >= m
+            pages = pages_per_space(dataclasses.replace(config, max_num_seqs=m), specs, eng.block_size,
+                                    eng.max_model_len, config.max_num_batched_tokens,
+                                    dataclasses.replace(plan, rows=m) if plan is not None else None)
+            return capacity(llm, tokens, pages, m) >= m
         except ValueError:  # the hot buffers alone exceed the budget
             return False
-        finally:
-            eng.config, eng.hisparse = config, plan
 
     lo, hi = 0, 4096
     while lo < hi:

@@ -94,11 +94,13 @@ def build(layout, cached_tokens: int, running: int, steps: int, backend: TorchNa
     for r in range(running):
         tail = [60000 + r] * (PROMPT_TAIL + r % 128)  # spread lengths: page crossings every step
         sched.add(Request(f"r{r}", system + tail, SamplingParams(max_tokens=10_000), max_tokens=10_000))
-    runner = SimpleNamespace(kv=kv, windows={s.name: s.window for s in specs}, backend=backend)
+    runner = SimpleNamespace(layout=kv.layout(), windows={s.name: s.window for s in specs}, backend=backend)
     windows = runner.windows
 
     def metadata(model_input):
-        seqs = ModelRunner.step_sequences(runner, *ModelRunner.decodes_first(model_input.sequences))
+        items, num_decodes = ModelRunner.decodes_first(model_input.sequences)
+        plan = kv.plan([s.request_id for s in items])  # the step's KV plan, as the engine builds it
+        seqs = ModelRunner.step_sequences(runner, items, plan, num_decodes)
         if hybrid is not None:
             return build_hybrid_metadata(seqs, hybrid)
         return build_attention_metadata(seqs, windows, P)

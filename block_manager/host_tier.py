@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridkv.block_manager.host_pool import HostPool
-from hybridkv.block_manager.tier_transfers import TierTransfers
+from hybridkv.block_manager.kv_plan import TierTransfers
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 SELECTIVE_MIN_HITS = 2
@@ -62,7 +62,7 @@ class HostTier:
 
     def take_transfers(self) -> TierTransfers:
         """The copies decided since the last call; the caller must execute them before the next
-        forward (tier_transfers.py states the order), before deciding anything new."""
+        forward (kv_plan.py states the order), before deciding anything new."""
         out, self.transfers = self.transfers, TierTransfers()
         for space, page in self._free_after_take:
             self.held[space].discard(page)

@@ -22,7 +22,6 @@ leave it; this class owns the pools and the tables and applies those decisions.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Hashable, Mapping, Sequence
 
@@ -32,80 +31,17 @@ from hybridkv.block_manager.eviction_policy import EvictionPolicy
 from hybridkv.block_manager.hisparse import HotBuffers
 from hybridkv.block_manager.host_pool import HostPool
 from hybridkv.block_manager.host_tier import HostTier
-from hybridkv.block_manager.shadow_index import LockReceipt, ShadowIndex, ShadowNode
+from hybridkv.block_manager.shadow_index import ShadowIndex
 from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
-from hybridkv.block_manager.tier_transfers import TierTransfers
+from hybridkv.block_manager.storage_tier import StorageTier
+from hybridkv.block_manager.kv_plan import KVCacheLayout, KVPlan, TierTransfers
+from hybridkv.block_manager.request_pages import (
+    PrefixHit, RequestPages, SwappedTail, TablePages, request_pages_needed, windowed_live_pages,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NULL_PAGE", "KVCacheManager", "PrefixHit", "windowed_live_pages"]
-
-
-def request_pages_needed(specs: Sequence[SpaceSpec], num_tokens: int, page_size: int, chunk_tokens: int,
-                         prefix_caching: bool) -> dict[str, int]:
-    """Most pages one request of num_tokens holds at once in each space, computed in chunks of at
-    most chunk_tokens: every page of a whole-history space, the live window of a windowed one."""
-    live = windowed_live_pages(specs, chunk_tokens, page_size, prefix_caching)
-    return {s.name: min(s.pages_for(num_tokens, page_size), live.get(s.name, 1 << 62)) for s in specs}
-
-
-def windowed_live_pages(specs: Sequence[SpaceSpec], chunk_tokens: int, page_size: int,
-                        prefix_caching: bool) -> dict[str, int]:
-    """Most pages one request holds at once in each windowed space while it computes chunks of
-    chunk_tokens (1: decoding). Without prefix caching that is each space's own window
-    (SpaceSpec.max_live_pages). With it, the request's lock pins the index's copies of its
-    recent pages back to where its widest window starts, in every windowed space the index
-    records at once (one SWA lock per node, shadow_index.py): each of those then holds as many
-    pages as the widest. A space no hit reads is not recorded (ShadowIndex.unread): its own."""
-    live = {s.name: s.max_live_pages(chunk_tokens, page_size) for s in specs if s.windowed}
-    if not prefix_caching:
-        return live
-    recorded = [s.name for s in specs if s.windowed and s.pages_read_at_page_end(page_size) > 0]
-    widest = max((live[n] for n in recorded), default=0)
-    return {n: max(k, widest) if n in recorded else k for n, k in live.items()}
-
-
-@dataclass
-class PrefixHit:
-    """A prefix hit: nodes of the shadow index, tokens they cover, and per space how many of
-    those tokens the space serves from cache (windowed spaces only serve their last window;
-    the tokens before it are never read again)."""
-
-    nodes: list[ShadowNode]
-    num_tokens: int
-    per_space_tokens: dict[str, int] = field(default_factory=dict)
-    device_tokens: int = 0
-    host_tokens: int = 0
-    storage_tokens: int = 0
-    loads: dict[str, list[int]] = field(default_factory=dict)  # space -> node indices to load back
-    tail: SwappedTail | None = None  # a swapped-out partial page that continues the hit
-
-
-@dataclass
-class SwappedTail:
-    """A swapped-out request's partial last page: on the host, outside the index (a partial page
-    is no prefix node). It continues the request's first num_pages whole pages."""
-
-    num_pages: int
-    num_tokens: int  # tokens in the partial page
-    host_pages: dict[str, int]  # space -> host page (spaces whose table had that page)
-
-
-@dataclass
-class RequestPages:
-    tables: dict[str, list[int]]
-    row: int  # this request's row in every space's BlockTable
-    namespace: Hashable = None
-    priority: int = 0  # eviction priority of the pages it inserts (the "priority" eviction policy)
-    num_inserted_pages: int = 0  # whole pages already recorded in the prefix index
-    num_released_pages: dict[str, int] = field(default_factory=dict)  # windowed spaces
-    anchor: ShadowNode | None = None  # node of the last recorded page
-    receipt: LockReceipt | None = None
-    # Hot-path thresholds (token counts): allocate/commit below them have nothing to do, so a
-    # decode step costs O(1) per request except when it crosses a page or window boundary.
-    grow_at: int = 0  # the first token count some space needs a new page for
-    commit_at: int = 0  # the next whole page to publish, or the next window release
-    decoding: bool = False  # past its prompt: its decoded pages are published in batches
+__all__ = ["NULL_PAGE", "KVCacheManager", "PrefixHit", "request_pages_needed", "windowed_live_pages"]
 
 
 class KVCacheManager:
@@ -170,6 +106,7 @@ class KVCacheManager:
             if enable_prefix_caching
             else None
         )
+        self.storage: StorageTier | None = None  # the L3 store under the host tier (attach_storage)
         self.num_swap_outs = 0  # preempted requests whose pages were written to the host
         self._swapped: dict[str, SwappedTail] = {}  # request id -> its partial page on the host
         self.prefix_hits_host = 0  # prompt tokens served by a load-back from the host
@@ -217,6 +154,42 @@ class KVCacheManager:
             self.prefix_hits_host += hit.host_tokens
             for name, n in hit.per_space_tokens.items():
                 self.prefix_hits_per_space[name] += n
+
+    # -- lower tiers: a waiting request's prefix read from storage ---------------------------------
+    def attach_storage(self, storage: StorageTier) -> None:
+        self.storage = storage
+
+    def request_arrived(self, request_id: str, token_ids: Sequence[int], namespace: Hashable = None,
+                        cacheable: bool = True) -> None:
+        """A request joined the queue: start reading what a lower tier holds past its cached prefix."""
+        if self.storage is not None and cacheable:
+            self.storage.begin(request_id, token_ids, namespace)
+
+    def poll(self) -> None:
+        """Once per step: record the reads that finished (host-only nodes a match then loads back)."""
+        if self.storage is not None:
+            self.storage.poll()
+
+    def ready(self, request_id: str, token_ids: Sequence[int], namespace: Hashable = None) -> bool:
+        """Whether a waiting request may be admitted now (its prefix reads, per the prefetch policy)."""
+        return self.storage is None or self.storage.ready(request_id, token_ids, namespace)
+
+    def admitted(self, request_id: str) -> int:
+        """The request is admitted: its reads end. Returns the tokens they recorded."""
+        return self.storage.admitted(request_id) if self.storage is not None else 0
+
+    def waiting_for_reads(self) -> bool:
+        return self.storage is not None and self.storage.num_outstanding > 0
+
+    def wait_for_reads(self) -> None:
+        """Nothing to run but requests waiting for their reads: sleep until one lands."""
+        if self.storage is not None:
+            self.storage.wait()
+
+    def copies_done(self, copies: TierTransfers) -> None:
+        """The executor ran these copies: the new host pages go on to the store (write-behind)."""
+        if self.storage is not None:
+            self.storage.store(copies)
 
     # -- allocation ----------------------------------------------------------------------------
     def _hit_pages(self, hit: PrefixHit) -> dict[str, list[int]]:
@@ -476,6 +449,17 @@ class KVCacheManager:
         if taken:
             self._swapped[request_id] = SwappedTail(full, partial, taken)
 
+    def layout(self, host_spaces: frozenset[str] = frozenset()) -> KVCacheLayout:
+        """The shape the executor allocates the KV tensors from."""
+        return KVCacheLayout(self.page_size, dict(self.specs),
+                             {n: s.num_physical_pages for n, s in self.spaces.items()}, host_spaces, self.hisparse)
+
+    def plan(self, request_ids: list[str]) -> KVPlan:
+        """The step's plan for these requests (allocated this step): their block-table rows, the
+        tables, and the tier copies decided since the last plan or take_transfers."""
+        return KVPlan({n: bt.tensor for n, bt in self.block_tables.items()},
+                      {r: self._requests[r].row for r in request_ids}, self.take_transfers())
+
     def take_transfers(self) -> TierTransfers:
         """Device <-> host copies decided since the last call (execute before the next forward)."""
         return self.host_tier.take_transfers() if self.host_tier is not None else TierTransfers()
@@ -494,8 +478,8 @@ class KVCacheManager:
             return
         start = req.num_inserted_pages
         res = self.index.insert(
-            token_ids,  # not sliced: a copy would cost the whole context; _Tail bounds the pages read
-            {name: _Tail(table, start, full) for name, table in req.tables.items()},
+            token_ids,  # not sliced: a copy would cost the whole context; TablePages bounds the pages read
+            {name: TablePages(table, start, full) for name, table in req.tables.items()},
             req.namespace,
             start=req.anchor,
             priority=req.priority,
@@ -556,6 +540,9 @@ class KVCacheManager:
         req.receipt = self.index.move(req.receipt, req.anchor, swa_tokens)
 
     def free(self, request_id: str) -> None:
+        """Every page of the request goes back (nothing is published); its reads are dropped."""
+        if self.storage is not None:
+            self.storage.abort(request_id)
         if self.hisparse is not None:
             self.hisparse.release(request_id)
         req = self._requests.pop(request_id, None)
@@ -665,19 +652,3 @@ class KVCacheManager:
             assert self.host_tier.transfers.empty, "tier copies were decided but never executed"
         if self.hisparse is not None:
             assert self.hisparse.num_active == 0, f"{self.hisparse.num_active} hot-buffer rows still held"
-
-
-class _Tail(Sequence):
-    """table[start:end] seen at its original indices (insert reads only the new pages), without
-    copying the request's whole table every step."""
-
-    def __init__(self, table: list[int], start: int, end: int) -> None:
-        self.table, self.start, self.end = table, start, end
-
-    def __len__(self) -> int:
-        return self.end
-
-    def __getitem__(self, i: int) -> int:
-        if not self.start <= i < self.end:
-            raise IndexError(f"page {i} outside the inserted range [{self.start}, {self.end})")
-        return self.table[i]

@@ -55,7 +55,7 @@ class SchedulerConfig:
     # every step is held to it. Above it, time steps leave under the target buys longer prefill steps.
     max_step_seconds: float | None = None
     min_prefill_chunk: int = 4  # tokens; the prefill progress every step makes at least
-    preemption_mode: str = "recompute"  # "swap": a preempted request's pages go to the host tier
+    preemption_mode: str = "recompute"  # "swap": the KV manager keeps a preempted request's pages below the device
 
     def __post_init__(self) -> None:
         check_step_seconds(self.target_step_seconds, self.max_step_seconds)
@@ -107,13 +107,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, step_cost: StepCost | None = None,
-                 storage=None) -> None:
-        """storage: the engine's StorageTier (HiCache L3), or None."""
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, step_cost: StepCost | None = None) -> None:
         self.config = config
         self.kv = kv
         self.step_cost = step_cost
-        self.storage = storage
         self.timer: StepTimer | None = None
         self.gaps: GapBudget | None = None
         self.auto_target = config.target_step_seconds == STEP_TARGET_AUTO
@@ -142,8 +139,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
-        if self.storage is not None and not request.wants_prompt_logprobs:
-            self.storage.begin(request.request_id, request.all_token_ids, request.namespace)
+        self.kv.request_arrived(request.request_id, request.all_token_ids, request.namespace,
+                                cacheable=not request.wants_prompt_logprobs)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -163,8 +160,7 @@ class Scheduler:
         now = time.monotonic()
         if self.timer is not None:
             self._start_pricing(out)
-        if self.storage is not None:
-            self.storage.poll()
+        self.kv.poll()
 
         # Hot loop: one pass per running request. A decode that stays inside its last page (the
         # common step) skips the allocate call: its pages' grow_at says there is nothing to do.
@@ -211,9 +207,8 @@ class Scheduler:
                     break
                 if req.request_id in order.deferred and (out.scheduled or self.running):
                     continue  # in-batch grouping: the group's first request computes the shared prefix
-                if self.storage is not None and req.num_cached_tokens < 0 and not self.storage.ready(
-                        req.request_id, req.all_token_ids, req.namespace):
-                    continue  # its prefix is still being read from storage
+                if req.num_cached_tokens < 0 and not self.kv.ready(req.request_id, req.all_token_ids, req.namespace):
+                    continue  # its prefix is still being read
                 if not self._admit(req, budget, now, out):
                     break
                 budget -= out.scheduled[-1].num_new_tokens
@@ -238,8 +233,7 @@ class Scheduler:
         if req.num_cached_tokens < 0:  # first admission, not a resume after preemption
             req.num_cached_tokens = req.num_computed_tokens
             req.num_host_cached_tokens = hit.host_tokens if hit is not None else 0
-            if self.storage is not None:
-                req.num_storage_cached_tokens = min(self.storage.admitted(req.request_id), req.num_host_cached_tokens)
+            req.num_storage_cached_tokens = min(self.kv.admitted(req.request_id), req.num_host_cached_tokens)
             req.cached_tokens_per_space = dict(hit.per_space_tokens) if hit is not None else {}
             self.kv.record_query(req.num_prompt_tokens, hit)
         elif req.num_preemptions:  # a resume: what came back, and what the cache no longer held
@@ -376,6 +370,4 @@ class Scheduler:
             self.waiting.remove(req)
         except ValueError:
             pass
-        if self.storage is not None:
-            self.storage.abort(req.request_id)
         self.kv.free(req.request_id)

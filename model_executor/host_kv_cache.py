@@ -17,7 +17,7 @@ Layouts of the host buffer:
     host_pages * slots_per_page slots on dim -2 (mirrors the device; simple, but a page is
     scattered over every layer's tensor).
 
-Ordering contract (block_manager/tier_transfers.py): apply() runs every device->host copy of
+Ordering contract (block_manager/kv_plan.py): apply() runs every device->host copy of
 every space before any host->device copy, so a device page queued for the host and then reused
 by a load-back in the same pass is read before it is overwritten. The host->device copies are
 handed to a PendingKVLoads (kv_loads.py) one layer unit at a time -- a unit is index j along dim
@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from hybridkv.block_manager.space_spec import NULL_PAGE
-from hybridkv.block_manager.tier_transfers import TierTransfers
+from hybridkv.block_manager.kv_plan import TierTransfers
 from hybridkv.model_executor.kv_loads import PendingKVLoads
 
 LAYOUTS = ("page_first", "layer_first")

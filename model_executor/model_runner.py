@@ -1,8 +1,9 @@
 """ModelRunner: scheduled batch -> tensors -> forward -> sampled tokens.
 
 It owns the model, the physical KV tensors of every block space and the sampler. The engine
-gives it a ModelInput (model_executor/batch.py) and the KV cache manager's block tables; it never
-decides what runs, and it never imports engine.
+gives it a ModelInput (model_executor/batch.py) and the step's KVPlan (block tables, rows, tier
+copies: block_manager/kv_plan.py); it never decides what runs or where pages go, and it imports
+neither the engine nor the KV cache manager.
 """
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hybridkv.attention_backends.metadata import StepSequences, int_array
+from hybridkv.attention_backends.metadata import StepSequences
 from hybridkv.attention_backends.cpu_kernels.build import prebuild
 from hybridkv.attention_backends.registry import check_attention_backend, get_attention_backend
-from hybridkv.block_manager.kv_cache_manager import KVCacheManager
+from hybridkv.block_manager.kv_plan import KVCacheLayout, KVPlan, TierTransfers
 from hybridkv.model_executor.host_kv_cache import HostKVCache
 from hybridkv.model_executor.heap_retention import release_free_heap, retain_freed_heap
 from hybridkv.model_executor.huge_pages import move_parameters_to_huge_pages
@@ -174,9 +175,13 @@ class ModelRunner:
         logger.info("loaded %s (%s, %s) in %.1fs", model_dir, self.dtype, self.device, time.perf_counter() - t0)
         self._log_weights(model_dir, quantized_names, allow_pickle_weights)
         self.sampler = Sampler(torch.Generator().manual_seed(seed))
-        self.kv: KVCacheManager | None = None
+        self.layout: KVCacheLayout | None = None
         self.host_cache: HostKVCache | None = None
         self.windows: dict[str, int | None] = {}
+        # Tier copies executed: bytes each way and host seconds spent (load-backs a forward
+        # completed layer by layer included).
+        self.copy_stats = {"load_back_bytes": 0, "write_back_bytes": 0, "transfer_seconds": 0.0}
+        self._load_seconds_seen = 0.0
         self.kv_caches: dict[str, list[torch.Tensor]] = {}  # space -> all its physical tensors (slots on dim -2)
         # Assert every step that no new token is written into a space's null page (tests set
         # this attribute directly; HYBRIDKV_DEBUG_CHECKS=1 sets it for a whole run).
@@ -203,20 +208,33 @@ class ModelRunner:
     def space_specs(self) -> list[SpaceSpec]:
         return self.model.space_specs(self.dtype)
 
-    def bind_kv_cache(self, kv: KVCacheManager, prefault: bool = False) -> None:
+    def bind_kv_cache(self, layout: KVCacheLayout, prefault: bool = False) -> None:
         """Allocate each space's physical tensors (the model's hook) and bind them to its layers;
         prefault: on huge pages, touched now (huge_pages.kv_pool_on), rather than taken lazily."""
-        self.kv = kv
-        self.windows = {name: spec.window for name, spec in kv.specs.items()}
-        self.kv_caches = self.model.allocate_kv_cache(kv, self.backend, self.dtype, self.device, prefault=prefault)
+        self.layout = layout
+        self.windows = layout.windows
+        self.kv_caches = self.model.allocate_kv_cache(layout, self.backend, self.dtype, self.device, prefault=prefault)
 
-    def bind_host_cache(self, host_pages: dict[str, int], layout: str) -> None:
+    def bind_host_cache(self, host_pages: dict[str, int], mem_layout: str) -> None:
         """The host tier's page buffers for every space (HiCache L2); pinned on CUDA."""
-        P = self.kv.page_size
+        P = self.layout.page_size
         self.host_cache = HostKVCache(
-            self.kv_caches, {n: s.spec.slots_per_page(P) for n, s in self.kv.spaces.items()}, host_pages,
-            layout=layout, pin_memory=self.device.type == "cuda",
+            self.kv_caches, {n: s.slots_per_page(P) for n, s in self.layout.specs.items()}, host_pages,
+            layout=mem_layout, pin_memory=self.device.type == "cuda",
         )
+
+    def run_copies(self, copies: TierTransfers, defer_loads: bool = False) -> None:
+        """Execute tier copies (the order is kv_plan.py's TierTransfers'). defer_loads: the
+        load-backs are left to the next forward, which waits for each layer's pages as it reaches
+        that layer (overlapped on a CUDA side stream)."""
+        if copies.empty:
+            return
+        t0 = time.perf_counter()
+        to_host, to_device = self.host_cache.apply(copies, defer_loads=defer_loads)
+        self.copy_stats["write_back_bytes"] += to_host
+        self.copy_stats["load_back_bytes"] += to_device
+        self.copy_stats["transfer_seconds"] += time.perf_counter() - t0  # includes the loads it completed
+        self._load_seconds_seen = self.host_cache.load_seconds
 
     # -- one step ------------------------------------------------------------------------------
     @staticmethod
@@ -233,19 +251,14 @@ class ModelRunner:
             return items, n
         return [s for s, d in zip(items, dec) if d] + [s for s, d in zip(items, dec) if not d], n
 
-    def step_sequences(self, items: list[ScheduledSequence], num_decodes: int | None = None) -> StepSequences:
-        """Lengths of the step's sequences and their block-table rows: one index_select per space.
+    def step_sequences(self, items: list[ScheduledSequence], plan: KVPlan,
+                       num_decodes: int | None = None) -> StepSequences:
+        """Lengths of the step's sequences and their block-table rows: one take per space.
         (Plain list comprehensions: on CPython 3.11+ their specialised slot reads are ~3x faster
         than map over operator.attrgetter for the hundreds of sequences of a step.)"""
-        kv = self.kv
         ids = [s.request_id for s in items]
         ctx = [s.end for s in items]
-        rows = torch.from_numpy(int_array(kv.rows_of(ids)))
-        pages = -(-max(ctx) // kv.page_size)  # no space needs more pages than a raw-token one
-        tables = {}
-        for name in self.windows:
-            bt = kv.block_tables[name]
-            tables[name] = bt.rows(rows, min(pages, bt.width))
+        tables = plan.step_tables(ids, -(-max(ctx) // self.layout.page_size))  # no space needs more pages than a raw-token one
         return StepSequences([s.end - s.start for s in items], ctx, tables, ids,
                              decode_tiles=self.backend.needs_decode_tiles, decodes=num_decodes,
                              # only prefill chunks can regenerate rows: a decode-only step skips it
@@ -253,10 +266,14 @@ class ModelRunner:
                                           else [len(s.prompt_token_ids) for s in items]))
 
     @torch.inference_mode()
-    def execute(self, batch: ModelInput) -> RunnerOutput:
+    def execute(self, batch: ModelInput, plan: KVPlan) -> RunnerOutput:
+        """One forward of the batch under the step's plan: its tier copies first (load-backs
+        deferred to the layers that read them), then the forward and sampling."""
+        if self.host_cache is not None:
+            self.run_copies(plan.copies, defer_loads=True)
         items, num_decodes = self.decodes_first(batch.sequences)
-        seqs = self.step_sequences(items, num_decodes)
-        meta = self.model.build_attention_metadata(seqs, self.windows, self.kv.page_size)
+        seqs = self.step_sequences(items, plan, num_decodes)
+        meta = self.model.build_attention_metadata(seqs, self.windows, self.layout.page_size)
         if self.debug_checks:
             self.check_no_null_page_writes(meta)
         positions = torch.from_numpy(seqs.token_rows[1])  # token j of sequence i sits at start_i + j
@@ -274,6 +291,9 @@ class ModelRunner:
         finally:
             if loads is not None:
                 self.host_cache.loads_done(loads)
+                # the load-backs the forward completed layer by layer
+                self.copy_stats["transfer_seconds"] += self.host_cache.load_seconds - self._load_seconds_seen
+                self._load_seconds_seen = self.host_cache.load_seconds
 
         if self.captured_logits is not None:
             all_logits = self.model.compute_logits(hidden).float().cpu()
@@ -320,7 +340,7 @@ class ModelRunner:
                 and 0 < num_decodes <= self.model.decode_burst_rows())
 
     @torch.inference_mode()
-    def execute_burst(self, batch: ModelInput, steps: int) -> dict[str, list[int]] | None:
+    def execute_burst(self, batch: ModelInput, steps: int, plan: KVPlan) -> dict[str, list[int]] | None:
         """`steps` greedy decode steps of a batch of decodes in one model call (the engine's
         num_scheduler_steps; it allocated every step's pages and checked the requests sample
         greedily): each request's `steps` tokens, the ones `steps` calls of execute() would give.
@@ -328,15 +348,11 @@ class ModelRunner:
         items = batch.sequences
         if not self.burst_fits(len(items)) or any(s.end - s.start != 1 for s in items):
             return None
-        kv, P = self.kv, self.kv.page_size
+        P = self.layout.page_size
         request_ids = [s.request_id for s in items]
         ctx0 = [s.end for s in items]
-        rows = torch.from_numpy(int_array(kv.rows_of(request_ids)))
-        pages = -(-(max(ctx0) + steps - 1) // P)  # the last step's: the tables serve every step
-        tables = {}
-        for name in self.windows:
-            bt = kv.block_tables[name]
-            tables[name] = bt.rows(rows, min(pages, bt.width))
+        # the last step's pages: the tables serve every step
+        tables = plan.step_tables(request_ids, -(-(max(ctx0) + steps - 1) // P))
         query_lens = [1] * len(items)
         metas, positions = [], []
         for j in range(steps):
@@ -379,9 +395,9 @@ class ModelRunner:
         """Debug check: the null page (page NULL_PAGE, slots [0, slots_per_page) of a space) is
         never written. A write there means a block table holds NULL_PAGE where the request
         should own a page (e.g. an off-by-one in window release): fail loudly, naming the space."""
-        P = self.kv.page_size
+        P = self.layout.page_size
         for space, slots in meta.slot_mappings().items():
-            per_page = self.kv.specs[space].slots_per_page(P)
+            per_page = self.layout.specs[space].slots_per_page(P)
             lo, hi = NULL_PAGE * per_page, (NULL_PAGE + 1) * per_page
             bad = slots[(slots >= lo) & (slots < hi)]
             if bad.numel():

@@ -1,20 +1,18 @@
 """The contract every model in the registry fulfils, and the shared weight loader."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
 from hybridkv.attention_backends.metadata import AttentionMetadata, StepSequences, build_attention_metadata
+from hybridkv.block_manager.kv_plan import KVCacheLayout
 from hybridkv.block_manager.space_spec import SpaceSpec
 from hybridkv.model_executor.huge_pages import kv_pool_on
 from hybridkv.model_executor.layers import pack_linear_weights
 from hybridkv.model_executor.quantization import BlockQuantizedTensor, QuantizedWeightInstaller, quantized_weight_numel
 from hybridkv.model_executor.step_cost import StepCost, dense_step_cost
-
-if TYPE_CHECKING:  # the runner hands the manager in; models only read its spaces
-    from hybridkv.block_manager.kv_cache_manager import KVCacheManager
 
 
 class CausalLM(nn.Module):
@@ -59,7 +57,7 @@ class CausalLM(nn.Module):
 
     # -- hooks with defaults -------------------------------------------------------------------
     def allocate_kv_cache(
-        self, kv: "KVCacheManager", backend, dtype: torch.dtype, device: torch.device, prefault: bool = False
+        self, layout: KVCacheLayout, backend, dtype: torch.dtype, device: torch.device, prefault: bool = False
     ) -> dict[str, list[torch.Tensor]]:
         """Allocate each space's physical K/V tensors and bind every attention layer its slice
         and the attention backend. Returns space -> every physical tensor of that space (here
@@ -75,8 +73,7 @@ class CausalLM(nn.Module):
             per_space.setdefault(attn.space, []).append(attn)
         caches = {}
         for name, attns in per_space.items():
-            space = kv.spaces[name]
-            slots = space.num_physical_pages * kv.page_size
+            slots = layout.slots(name)
             a = attns[0]
             cache = kv_pool_on(device, len(attns), 2, a.num_kv_heads, slots, a.head_dim, dtype=dtype, prefault=prefault)
             for i, attn in enumerate(attns):

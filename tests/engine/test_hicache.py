@@ -38,7 +38,7 @@ def evict_device(llm: LLM) -> None:
     kv = llm.engine.kv
     for name, space in kv.spaces.items():
         kv.index.evict(name, space.num_pages)
-    llm.engine._flush_tier_transfers()
+    llm.engine.executor.flush_copies()
     kv.check_invariants()
 
 

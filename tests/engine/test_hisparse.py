@@ -230,7 +230,7 @@ def test_hisparse_with_the_host_tier_equals_both_off(v4_path):
     kv = llm.engine.kv
     for name, space in kv.spaces.items():
         kv.index.evict(name, space.num_pages)
-    llm.engine._flush_tier_transfers()
+    llm.engine.executor.flush_copies()
     second = _generate(llm, [longer], 12)[0]
     assert second.metrics["prompt_tokens_from_host"] >= 288, second.metrics
     _same([first, second], want)

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from hybridkv.engine.llm_engine import windowed_space_caps
+from hybridkv.engine.kv_memory_plan import windowed_space_caps
 from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.entrypoints import LLM
 from tiny_deepseek_v4 import build_v4_checkpoint, hf_v4_model, single_thread

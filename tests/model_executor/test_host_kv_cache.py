@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybridkv.block_manager.kv_cache_manager import KVCacheManager
-from hybridkv.block_manager.tier_transfers import TierTransfers
+from hybridkv.block_manager.kv_plan import TierTransfers
 from hybridkv.model_executor.host_kv_cache import HostKVCache
 
 NUM_PAGES = 7  # device pages per space, null page 0 included
@@ -199,7 +199,7 @@ def test_v4_allocate_kv_cache_returns_every_tensor_of_each_space(v4_model):
     slot their bytes add up to the space's bytes_per_slot, and each slot dim -2 spans the pool."""
     specs = v4_model.space_specs(torch.float32)
     kv = KVCacheManager(specs, {s.name: 3 for s in specs}, 128)
-    caches = v4_model.allocate_kv_cache(kv, None, torch.float32, torch.device("cpu"))
+    caches = v4_model.allocate_kv_cache(kv.layout(), None, torch.float32, torch.device("cpu"))
     cfg = v4_model.cfg
     n_csa, n_hca = cfg.num_csa_layers, cfg.num_hca_layers
     counts = {"swa": 1, "c4": n_csa, "c128": n_hca, "indexer": n_csa, "state_c4": 4 * n_csa, "state_c128": 2 * n_hca}

@@ -63,7 +63,7 @@ def test_step_metadata_comes_from_the_block_tables(llm):
         eng.add_request(f"r{i}", {"prompt_token_ids": _prompt(n, vocab, i)}, GREEDY)
     eng.step()
     batch = eng.scheduler.schedule().model_input()
-    seqs = eng.runner.step_sequences(batch.sequences)
+    seqs = eng.runner.step_sequences(batch.sequences, kv.plan([s.request_id for s in batch.sequences]))
     for s, row in zip(batch.sequences, seqs.block_tables["full"]):
         pages = kv.page_table(s.request_id, "full")
         assert row[: len(pages)].tolist() == pages

@@ -18,6 +18,7 @@ from hybridkv.attention_backends.hybrid_metadata import (
 )
 from hybridkv.attention_backends.hisparse_reads import build_hisparse_step
 from hybridkv.attention_backends.metadata import StepSequences
+from hybridkv.block_manager.kv_plan import KVCacheLayout
 from hybridkv.block_manager.space_spec import SpaceSpec
 from hybridkv.model_executor.huge_pages import kv_pool_on
 from hybridkv.model_executor.models.base import CausalLM
@@ -140,7 +141,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         )
 
     def allocate_kv_cache(
-        self, kv, backend, dtype: torch.dtype, device: torch.device, prefault: bool = False
+        self, layout: KVCacheLayout, backend, dtype: torch.dtype, device: torch.device, prefault: bool = False
     ) -> dict[str, list[torch.Tensor]]:
         """Allocate every space's tensors and bind each layer's views. V4's layers use their own
         hybrid backend (HybridV4Attention, or its Triton kernels when `backend` is the Triton
@@ -149,9 +150,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         page every masked or padded read of the hybrid metadata points at (its slot 0) is zero.
         Returns every tensor of each space (swa; c4/c128 and indexer per layer; state_c4 / state_c128 x2 per
         compressor), slots on dim -2: a page copy to the host tier must cover all of them."""
-        P = kv.page_size
-        slots = {name: s.num_physical_pages * s.spec.slots_per_page(P) for name, s in kv.spaces.items()}
-        caches: dict[str, list[torch.Tensor]] = {name: [] for name in kv.spaces}
+        slots = {name: layout.slots(name) for name in layout.specs}
+        caches: dict[str, list[torch.Tensor]] = {name: [] for name in layout.specs}
 
         def pool(space: str, *shape: int, dtype: torch.dtype) -> torch.Tensor:
             t = kv_pool_on(device, *shape, dtype=dtype, prefault=prefault)
@@ -161,7 +161,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         D, cI = self.cfg.head_dim, self.cfg.index_head_dim
         swa = pool(SWA, self.cfg.num_layers, slots[SWA], D, dtype=dtype)
         # HiSparse: the c4 pool above is the host mirror; each CSA layer gets a device hot buffer.
-        self.hot_buffers = getattr(kv, "hisparse", None)
+        self.hot_buffers = layout.hot_buffers
         csa_ordinal = 0
         for i, layer in enumerate(self.layers):
             attn = layer.attn

@@ -100,7 +100,7 @@ def test_host_tier_metrics_move_with_a_load_back(tiny_ckpt):
         def evict(engine):
             for name, space in engine.kv.spaces.items():
                 engine.kv.index.evict(name, space.num_pages)
-            engine._flush_tier_transfers()
+            engine.executor.flush_copies()
 
         other.engine.call_threadsafe(evict).result(30)
         c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0)

@@ -32,15 +32,16 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import TYPE_CHECKING, Hashable, Protocol, Sequence
 
-from hybridkv.block_manager.kv_cache_manager import KVCacheManager
+from hybridkv.block_manager.kv_plan import TierTransfers
 from hybridkv.block_manager.page_keys import next_chain, root_chain, storage_key
 from hybridkv.block_manager.storage import page_record
 from hybridkv.block_manager.storage.backend import StorageBackend
-from hybridkv.block_manager.tier_transfers import TierTransfers
-from hybridkv.engine.kv_fingerprint import KVFingerprint
-from hybridkv.model_executor.host_kv_cache import HostKVCache
+from hybridkv.block_manager.storage.kv_fingerprint import KVFingerprint
+
+if TYPE_CHECKING:
+    from hybridkv.block_manager.kv_cache_manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,16 @@ TIMEOUT_BASE_S = 1.0  # SGLang's prefetch_timeout_base
 TIMEOUT_PER_1K_TOKENS_S = 0.25  # SGLang's prefetch_timeout_per_ki_token
 MAX_REFETCHES = 2  # reads started again for one request whose match shrank while it waited
 MAX_PENDING_WRITES = 256  # write batches queued for the store; more are dropped (counted)
+
+
+class HostPages(Protocol):
+    """The host tier's page bytes (the executor's host buffers): what the store reads and fills."""
+
+    bytes_per_page: dict[str, int]
+
+    def read_pages(self, space: str, pages: list[int]) -> list[bytes]: ...
+
+    def write_pages(self, space: str, pages: list[int], payloads: list[bytes]) -> None: ...
 
 
 @dataclass
@@ -86,7 +97,7 @@ class _ReadResult:
 
 
 class StorageTier:
-    def __init__(self, backend: StorageBackend, kv: KVCacheManager, host_cache: HostKVCache,
+    def __init__(self, backend: StorageBackend, kv: KVCacheManager, host_cache: HostPages,
                  fingerprint: KVFingerprint, prefetch_policy: str = "timeout",
                  timeout_base: float = TIMEOUT_BASE_S, timeout_per_1k_tokens: float = TIMEOUT_PER_1K_TOKENS_S) -> None:
         if prefetch_policy not in PREFETCH_POLICIES:
