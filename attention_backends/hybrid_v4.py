@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from hybridkv.attention_backends.backend import HybridAttentionBackend
 from hybridkv.attention_backends.cpu_kernels import load_indexer_topk, load_joint_attention
 from hybridkv.attention_backends.hisparse_reads import HiSparseLayer, select_from_buffer, swap_in
 from hybridkv.attention_backends.hybrid_metadata import HybridAttentionMetadata, KeySet, QueryBlock
@@ -471,7 +472,7 @@ def cpu_joint_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, KeySe
                       masks, visibles)
 
 
-class HybridV4Attention:
+class HybridV4Attention(HybridAttentionBackend):
     name = "hybrid_v4_torch"
 
     def forward(

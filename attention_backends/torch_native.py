@@ -50,6 +50,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from hybridkv.attention_backends.backend import AttentionBackend
 from hybridkv.attention_backends.cpu_kernels import (load_paged_attention, load_prefill_attention,
                                                      load_prefill_attention_bf16, load_write_kv)
 from hybridkv.attention_backends.metadata import (AttentionMetadata, DecodeTile, PrefillSeq, TileSizes,
@@ -63,7 +64,7 @@ _SMALL_DECODE_ELEMENTS = 1 << 16  # gathered key elements below which decode run
 _NEG_BIG = -1e30
 
 
-class TorchNativeAttention:
+class TorchNativeAttention(AttentionBackend):
     name = "torch_native"
 
     def __init__(self, device: torch.device | str = "cpu", cpu_kernels: bool = True) -> None:

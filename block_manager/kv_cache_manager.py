@@ -174,9 +174,12 @@ class KVCacheManager:
         """Whether a waiting request may be admitted now (its prefix reads, per the prefetch policy)."""
         return self.storage is None or self.storage.ready(request_id, token_ids, namespace)
 
-    def admitted(self, request_id: str) -> int:
-        """The request is admitted: its reads end. Returns the tokens they recorded."""
-        return self.storage.admitted(request_id) if self.storage is not None else 0
+    def admitted(self, request_id: str, hit: PrefixHit | None) -> tuple[int, int]:
+        """The request is admitted with this hit: its reads end. Returns the hit's tokens loaded
+        back from the host, and of those the ones its storage reads had brought there."""
+        host = hit.host_tokens if hit is not None else 0
+        read = self.storage.admitted(request_id) if self.storage is not None else 0
+        return host, min(read, host)
 
     def waiting_for_reads(self) -> bool:
         return self.storage is not None and self.storage.num_outstanding > 0

@@ -232,8 +232,8 @@ class Scheduler:
         self.waiting.remove(req)
         if req.num_cached_tokens < 0:  # first admission, not a resume after preemption
             req.num_cached_tokens = req.num_computed_tokens
-            req.num_host_cached_tokens = hit.host_tokens if hit is not None else 0
-            req.num_storage_cached_tokens = min(self.kv.admitted(req.request_id), req.num_host_cached_tokens)
+            # where the hit came from below the device (the request's metrics report it)
+            req.num_host_cached_tokens, req.num_storage_cached_tokens = self.kv.admitted(req.request_id, hit)
             req.cached_tokens_per_space = dict(hit.per_space_tokens) if hit is not None else {}
             self.kv.record_query(req.num_prompt_tokens, hit)
         elif req.num_preemptions:  # a resume: what came back, and what the cache no longer held

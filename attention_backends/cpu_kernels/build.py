@@ -3,10 +3,11 @@
 torch.utils.cpp_extension compiles with the system g++ and ninja and caches the build under
 TORCH_EXTENSIONS_DIR (~/.cache/torch_extensions by default). The flags carry the vector ISA of
 this CPU as torch's own dispatch sees it. The module name carries the ISA and a key of the build
-environment (build_environment_key: interpreter prefix, torch version, compiler, flags), so a cache
-shared between an AVX2 and an AVX-512 machine never hands one the other's code, and two virtual
-environments on one machine keep a build each instead of rebuilding each other's (their include
-paths differ, and ninja rebuilds on any change of its command lines). torch_headers.h and cpu_math.h are
+environment (build_environment_key: interpreter prefix, source checkout, torch version, compiler,
+flags), so a cache shared between an AVX2 and an AVX-512 machine never hands one the other's code,
+and two virtual environments or two checkouts on one machine keep a build each instead of
+rebuilding each other's (their include paths differ, and ninja rebuilds on any change of its
+command lines). torch_headers.h and cpu_math.h are
 put in front of every source, so the build's version hash covers them. HYBRIDKV_CPU_KERNELS=0 switches every
 kernel off (A/B runs, or a machine without g++); callers then keep their torch paths.
 
@@ -115,9 +116,12 @@ def compiler_identity() -> str:
 
 def build_environment_key(cflags: list[str] | tuple[str, ...]) -> str:
     """A short hex key of everything a build depends on besides its sources: the interpreter
-    (its prefix: a virtual environment is one), the torch build, the compiler and the flags
-    (which carry the ISA). torch's own cache covers the sources (its version hash)."""
-    parts = [sys.prefix, sys.version, torch.__version__, str(getattr(torch.version, "git_version", "")),
+    (its prefix: a virtual environment is one), the checkout the sources come from (two
+    checkouts sharing one interpreter have different include paths), the torch build, the
+    compiler and the flags (which carry the ISA). torch's own cache covers the sources (its
+    version hash)."""
+    checkout = str(Path(__file__).resolve().parents[2])
+    parts = [sys.prefix, checkout, sys.version, torch.__version__, str(getattr(torch.version, "git_version", "")),
              compiler_identity(), *cflags]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridkv.attention_backends.backend import AttentionBackend
 from hybridkv.attention_backends.metadata import AttentionMetadata
 from hybridkv.attention_backends.triton_attention.common import is_interpreted
 from hybridkv.attention_backends.triton_attention.decode_attention import _decode_split_kernel, decode_attention
@@ -19,7 +20,7 @@ from hybridkv.attention_backends.triton_attention.kv_write import write_kv
 from hybridkv.attention_backends.triton_attention.prefill_attention import prefill_attention
 
 
-class TritonAttention:
+class TritonAttention(AttentionBackend):
     name = "triton"
     needs_decode_tiles = False  # decodes walk the block tables in the kernel
 

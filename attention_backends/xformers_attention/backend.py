@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from hybridkv.attention_backends.backend import AttentionBackend
 from hybridkv.attention_backends.metadata import AttentionMetadata
 from hybridkv.attention_backends.registry import attention_backend_problem
 from hybridkv.attention_backends.torch_native import TorchNativeAttention
@@ -41,7 +42,7 @@ def _triton_decode():
     return decode_attention
 
 
-class XformersAttention:
+class XformersAttention(AttentionBackend):
     name = "xformers"
     needs_decode_tiles = False  # decodes walk the block tables in the kernel
 

@@ -85,10 +85,10 @@ class ShadowIndexMachine(RuleBasedStateMachine):
         return {k: {s: n.shadows[s] is not None or n.host.get(s) is not None for s in self.windowed}
                 for k, n in self._walk()}
 
-    def _flush(self) -> None:
-        """Execute the tier copies decided so far, on the data tags: device -> host first, then
-        host -> device (the runner's order)."""
-        t = self.kv.take_transfers()
+    def _flush(self, t=None) -> None:
+        """Execute tier copies (the step plan's, or those decided so far) on the data tags:
+        device -> host first, then host -> device (the runner's order)."""
+        t = self.kv.take_transfers() if t is None else t
         for s, copies in t.to_host.items():
             for h, d in copies.items():
                 assert self.tags[s][d] is not None, f"{s}: writing never-computed device page {d} to the host"
@@ -124,10 +124,19 @@ class ShadowIndexMachine(RuleBasedStateMachine):
                 best = d
         return best
 
-    def _check_reads(self, rid: str, start: int, end: int) -> None:
-        """The request is about to compute positions [start, end): every page it reads has its tag."""
+    def _check_reads(self, rid: str, start: int, end: int, plan=None) -> None:
+        """The request is about to compute positions [start, end): every page it reads has its tag
+        (read from the step plan's tables when given: what the executor reads)."""
         r = self.live[rid]
-        for s, table in ((s, self.kv.page_table(rid, s)) for s in self.tags):
+        if plan is not None:
+            rows = plan.step_tables([rid], 1 << 30)  # every column the tables have
+            tables = {s: rows[s][0].tolist() for s in self.tags}
+            for s, table in tables.items():
+                own = self.kv.page_table(rid, s)
+                assert table[: len(own)] == own, f"{s}: the plan's block-table row differs from the request's pages"
+        else:
+            tables = {s: self.kv.page_table(rid, s) for s in self.tags}
+        for s, table in tables.items():
             spec = self.kv.specs[s]
             lo = 0 if spec.window is None else max(0, start - spec.window + 1)
             # complete pages strictly before `start` that hold read positions
@@ -137,10 +146,11 @@ class ShadowIndexMachine(RuleBasedStateMachine):
                 assert self.tags[s][page] == self._key(r["ns"], r["tokens"], i), f"{s}: wrong data in page {i}"
 
     def _compute(self, rid: str, upto: int) -> None:
-        self._flush()  # the load-backs its allocation decided run before it reads or writes
+        plan = self.kv.plan([rid])  # the step's plan: the load-backs its allocation decided run first
+        self._flush(plan.copies)
         full_locked, _ = self._locks()
         before_view = self._index_view()
-        self._compute_pages(rid, upto)
+        self._compute_pages(rid, upto, plan)
         self._flush()  # write-through of what it recorded
         # Recording may evict on the host (write-through needs room): only unlocked nodes go.
         view = self._index_view()
@@ -148,10 +158,10 @@ class ShadowIndexMachine(RuleBasedStateMachine):
         assert not gone & full_locked, "host eviction removed a locked node"
         self.ref = {k: v for k, v in self.ref.items() if k in view}
 
-    def _compute_pages(self, rid: str, upto: int) -> None:
+    def _compute_pages(self, rid: str, upto: int, plan=None) -> None:
         r = self.live[rid]
         start = r["computed"]
-        self._check_reads(rid, start, upto)
+        self._check_reads(rid, start, upto, plan)
         for s in self.tags:
             table = self.kv.page_table(rid, s)
             # The partial last page too (a swap-out moves it), where the space has one yet (a

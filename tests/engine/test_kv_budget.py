@@ -45,7 +45,7 @@ def test_the_default_budget_is_a_fraction_of_available_memory_and_holds_one_sequ
     one_sequence = (128 // 16) * page
     # A machine with almost no memory available: the default still holds one full-length sequence.
     monkeypatch.setattr(kv_budget, "available_memory_bytes", lambda: 1)
-    with caplog.at_level(logging.INFO, logger="hybridkv.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="hybridkv.engine"):
         llm = LLM(path, dtype="float32", max_model_len=128, max_num_seqs=64)
     assert llm.engine.kv.spaces["full"].num_pages * page >= one_sequence
     assert llm.engine.kv.spaces["full"].num_pages < 64 * 8, "the default ignored the memory cap"

@@ -156,9 +156,9 @@ def _count_computed_tokens(llm: LLM) -> list[int]:
     steps: list[int] = []
     original = runner.execute
 
-    def execute(batch):
+    def execute(batch, plan):
         steps.append(sum(s.num_new_tokens for s in batch.sequences))
-        return original(batch)
+        return original(batch, plan)
 
     runner.execute = execute
     return steps
