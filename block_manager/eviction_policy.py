@@ -1,4 +1,4 @@
-"""Eviction policies for the shadow prefix index (DESIGN.md §4), and the O(1) structure they order.
+"""Eviction policies for the shadow prefix index (docs/architecture.md, "The shadow index"), and the O(1) structure they order.
 
 A policy splits candidates into *classes* (`bucket`): the lowest class is evicted first, and
 within a class the least recently touched node goes first. That covers every policy here:
@@ -11,7 +11,7 @@ add / discard / touch are O(1) (plus O(log classes) when a class appears), and t
 is the front of the lowest class. Nothing scans or sorts the tree (SGLang keeps per-component
 LRU lists the same way; vLLM's free-block queue is the one-class case).
 
-Which nodes are candidates is the index's business (block_manager/shadow_index.py).
+Which nodes are candidates is the index's business (block_manager/index_eviction.py).
 """
 from __future__ import annotations
 

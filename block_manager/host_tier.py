@@ -3,7 +3,7 @@
 It holds one HostPool per block space, the write policy, the copies decided but not yet
 executed (TierTransfers, drained once per step by the engine), and counters. The tier logic
 itself -- which node goes to the host, which host copy is dropped, what a match may load back --
-lives in the index (shadow_index.py), because it is decided together with device eviction.
+lives in the index (index_host_tier.py, a part of ShadowIndex), because it is decided together with device eviction.
 
 Write policies (SGLang's names):
   write_through            copy a page to the host when it enters the index

@@ -146,8 +146,8 @@ class IndexHostTier:
         for s in self.whole:
             if not self._write(node, s):
                 # The spaces written before this one now have a copy on both tiers: the node
-                # belongs in the host-copy queue even though it keeps its device pages (found by
-                # the host-tier state machine: an interior node's c4 written, its full page not).
+                # belongs in the host-copy queue even though it keeps its device pages (e.g. an
+                # interior node whose c4 page was written and whose full page was not).
                 self._sync(node)
                 return False
         for s in self.windows:

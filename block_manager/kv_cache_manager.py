@@ -1,4 +1,4 @@
-"""KVCacheManager: allocates every block space of a request together (DESIGN.md §3, §5).
+"""KVCacheManager: allocates every block space of a request together (docs/architecture.md).
 
 The engine asks it four things: how much of a prompt is already cached (`match_prefix`),
 to make room for the next tokens of a request (`allocate`, all-or-nothing), to record what a
@@ -10,7 +10,7 @@ Pages of windowed spaces that fell out of the request's window are released earl
 entries set to NULL_PAGE (the reserved page 0, never allocated).
 
 With prefix caching on, every request holds one lock receipt on the shadow index
-(block_manager/shadow_index.py): a full lock on the path to its last recorded page (its
+(block_manager/shadow_index.py, locks in index_locks.py): a full lock on the path to its last recorded page (its
 *anchor*) and an SWA lock on exactly the recorded pages it still holds in windowed spaces.
 `_relock` moves that receipt (ShadowIndex.move: only the pages whose lock state changes) when
 the anchor or the held window changes. Cross-invariant (check_invariants): an indexed page

@@ -44,9 +44,10 @@ __all__ = ["NULL_PAGE", "TOMBSTONE", "ShadowIndex", "ShadowNode", "LockReceipt",
 
 @dataclass
 class MatchResult:
-    """A prefix hit. num_tokens = device_tokens + host_tokens + storage_tokens (the latter two are
-    the tiers' share, always 0 until HiCache exists); full_tokens is the longest whole-history
-    match ignoring windowed shadows (what a bounded SWA recompute could reach)."""
+    """A prefix hit. num_tokens = device_tokens + host_tokens + storage_tokens (the tiers' share:
+    storage reads land as host pages, so the index reports them as host tokens); full_tokens is
+    the longest whole-history match ignoring windowed shadows (what a bounded SWA recompute could
+    reach)."""
 
     nodes: list[ShadowNode]
     num_tokens: int

@@ -1,4 +1,4 @@
-"""SpaceSpec: one physical form a token takes in the KV cache (DESIGN.md §3)."""
+"""SpaceSpec: one physical form a token takes in the KV cache (docs/architecture.md, "Block spaces")."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -91,7 +91,7 @@ def test_attention_backends_come_from_the_registry_by_name(tiny_ckpt):
 
 
 def test_model_executor_never_imports_engine():
-    """Imports point one way (DESIGN.md §2): no module under model_executor/ or
+    """Imports point one way (docs/architecture.md, "Package layout"): no module under model_executor/ or
     attention_backends/ imports engine or entrypoints (checked on the source: `import hybridkv`
     itself loads the public API, so sys.modules cannot tell)."""
     import hybridkv.attention_backends
