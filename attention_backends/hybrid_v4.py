@@ -17,7 +17,7 @@ import torch
 
 from hybridkv.attention_backends.backend import HybridAttentionBackend
 from hybridkv.attention_backends.cpu_kernels import load_indexer_topk, load_joint_attention
-from hybridkv.attention_backends.hisparse_reads import HiSparseLayer, select_from_buffer, swap_in
+from hybridkv.attention_backends.hisparse_reads import HiSparseLayer, read_mirror, select_from_buffer, swap_in
 from hybridkv.attention_backends.hybrid_metadata import HybridAttentionMetadata, KeySet, QueryBlock
 
 INDEXER_SCORE_ELEMS = 1 << 24  # cap on [queries, heads, entries] elements per indexer matmul
@@ -502,7 +502,8 @@ class HybridV4Attention(HybridAttentionBackend):
                 entry_space: str | None, indexer: IndexerQuery | None,
                 hisparse: HiSparseLayer | None) -> tuple[torch.Tensor, KeySet] | None:
         """(cache, key set) of the compressed entries this block reads: every causal C128 entry,
-        or the indexer's top-k C4 entries -- from the hot buffer for HiSparse decode rows."""
+        or the indexer's top-k C4 entries -- with HiSparse, from the hot buffer for decode rows
+        and from the (host) mirror for prefill rows."""
         if entry_cache is None or not blk.entries[entry_space].length:
             return None
         ks = blk.entries[entry_space]
@@ -510,11 +511,13 @@ class HybridV4Attention(HybridAttentionBackend):
             return entry_cache, ks
         rows = slice(blk.start, blk.end)
         idx = self.topk(indexer, rows, blk.entries[indexer.space], min(indexer.topk, ks.length))
-        if hisparse is not None and blk.start < meta.num_decodes:
-            h = hisparse
+        if hisparse is None:
+            return entry_cache, ks.take(idx)
+        h = hisparse
+        if blk.start < meta.num_decodes:
             return h.hot, select_from_buffer(h.step, h.layer, h.hot, entry_cache, blk.start, blk.end, ks, idx,
                                              self.swap_in)
-        return entry_cache, ks.take(idx)
+        return read_mirror(h.step, entry_cache, ks.take(idx), h.hot)
 
     write = staticmethod(write_slots)  # cache rows into their slots; the Triton backend writes by kernel
     topk = staticmethod(cpu_indexer_topk)  # the Triton backend scores with its kernel

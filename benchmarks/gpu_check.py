@@ -165,22 +165,24 @@ def kernel_checks(rep: Report, device, quick: bool) -> None:
 def hisparse_swap_in_check(rep: Report, device, quick: bool) -> None:
     """The fused HiSparse swap-in kernel against its torch reference (HotBuffers.assign + copy)
     at V4-like sizes: buffers of 2x top-k 512, 512-wide entries, rounds over the same buffers.
-    Slots, slot map, clock and copied bytes must be identical (the copy is exact)."""
+    Slots, slot map, clock and copied bytes must be identical (the copy is exact), with the
+    mirror on the device and with the mirror in (pinned) host memory, as the engine keeps it."""
     import torch
 
     from hybridkv.attention_backends.hisparse_reads import swap_in
     from hybridkv.attention_backends.triton_attention.hisparse_swap_in import triton_swap_in
-    from hybridkv.block_manager.hisparse import HotBuffers
+    from hybridkv.attention_backends.hisparse_buffers import HotBuffers
 
     rows_n, size, k, D = (4, 256, 128, 128) if quick else (16, 1024, 512, 512)
     g = torch.Generator(device=device).manual_seed(0)
-    ref, fused = (HotBuffers(1, rows_n, size, k, device=device) for _ in range(2))
+    ref, fused, fused_host = (HotBuffers(1, rows_n, size, k, device=device) for _ in range(3))
     for r in range(rows_n):
-        for buffers in (ref, fused):
+        for buffers in (ref, fused, fused_host):
             buffers.acquire(f"r{r}")
     mirror = torch.randn(8 * size, D, device=device, generator=g)
+    host_mirror = mirror.cpu().pin_memory() if device.type == "cuda" else mirror.cpu()
     hot_ref = torch.zeros(ref.num_slots, D, device=device)
-    hot_fused = hot_ref.clone()
+    hot_fused, hot_fused_host = hot_ref.clone(), hot_ref.clone()
     rows = torch.arange(rows_n, device=device)
     for round_ in range(6):
         entries = torch.stack([torch.randperm(3 * size, device=device, generator=g)[:k] for _ in range(rows_n)])
@@ -196,6 +198,14 @@ def hisparse_swap_in_check(rep: Report, device, quick: bool) -> None:
                 and torch.equal(hot_fused, hot_ref))
         rep.check(same, f"hisparse swap-in round {round_}: {rows_n} rows x {k} of {size} slots, D={D}: "
                         f"{'identical' if same else 'DIFFERENT'} ({ms:.2f} ms, first round includes compilation)")
+        t = time.perf_counter()
+        got = triton_swap_in(fused_host, 0, rows, entries, hot_fused_host, host_mirror, mslots)
+        sync()
+        ms = (time.perf_counter() - t) * 1e3
+        same = (torch.equal(got, want) and torch.equal(fused_host.entry, ref.entry)
+                and torch.equal(hot_fused_host, hot_ref))
+        rep.check(same, f"hisparse swap-in round {round_}, mirror in host memory: "
+                        f"{'identical' if same else 'DIFFERENT'} ({ms:.2f} ms)")
 
 
 @contextlib.contextmanager

@@ -8,6 +8,9 @@ CSA; head_dim 128, index_head_dim 16, index_topk 8, C4 every 4 tokens, C128 ever
   1. Capacity. For each context (16k, 32k, 64k, 128k tokens + the output) and one device KV budget
      (--device-mib), the largest decode batch the engine's own admission arithmetic admits
      (pages per space / pages one sequence needs), HiSparse off and on. Nothing is prefilled.
+     Each engine is then built at its batch and the KV bytes it allocated are read from its
+     tensors (LLMEngine.kv_cache_bytes): on the device (the budget's side: HiSparse's hot
+     buffers, not its C4 mirror) and in host memory (the mirror).
   2. Measured. At --context tokens and a --measured-mib budget, each engine at its largest
      decode batch (max_num_seqs = that batch) runs the same prompts (as many as HiSparse's
      batch): the peak number of sequences decoding at once, the decode tokens/s (generation
@@ -31,7 +34,7 @@ Nothing is asserted about timings; outputs must be identical (exit 1 if not).
     python benchmarks/hisparse.py --quick    # ~1-2 minutes (a smoke test)
     [--context 1024 --output-tokens 32 --device-mib 128 --measured-mib 32 --threads N]
 
-Last line: RESULT capacity_x_16k=... measured_batch_off=... measured_batch_on=... ...
+Last line: RESULT capacity_x_16k=... device_fits=... measured_batch_off=... measured_batch_on=... ...
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import torch  # noqa: E402
 
 from hybridkv import LLM, SamplingParams  # noqa: E402
-from hybridkv.block_manager.hisparse import HotBuffers  # noqa: E402
+from hybridkv.attention_backends.hisparse_buffers import HotBuffers  # noqa: E402
 from hybridkv.engine.kv_memory_plan import pages_per_space  # noqa: E402
 
 OVERRIDES = dict(head_dim=128, partial_rotary_factor=0.0625, index_topk=8,
@@ -113,6 +116,11 @@ def max_batch(model: str, tokens: int, budget: int, hot: int | None) -> int:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo
+
+
+def allocated_mib(llm: LLM, tier: str) -> float:
+    """MiB of KV the engine allocated on a tier ("device" / "host"), from its tensors."""
+    return sum(llm.engine.kv_cache_bytes[tier].values()) / 2**20
 
 
 def prompts(n: int, length: int, seed: int, vocab: int, kind: str = "random") -> list[list[int]]:
@@ -181,7 +189,7 @@ def run(llm: LLM, ps: list[list[int]], max_tokens: int) -> dict:
             dec_time += dt
     eng.check_invariants()
     tokens = [outs[f"r{i}"][0] for i in range(len(ps))]
-    stats = eng.kv.hisparse.stats if eng.kv.hisparse is not None else None
+    stats = eng.runner.hot_buffers.stats if eng.runner.hot_buffers is not None else None
     return dict(tokens=tokens, peak=peak, decode_tok_s=dec_tokens / dec_time if dec_time else float("nan"),
                 stats=stats, preemptions=eng.scheduler.num_preemptions)
 
@@ -217,12 +225,22 @@ def _bench(args, model: str, C: int, O: int, contexts: list[int]) -> int:
     print(f"\n1. capacity at a {args.device_mib:g} MiB device KV budget (hot buffer {2 * topk} entries):")
     budget = int(args.device_mib * 2**20)
     cap_x = {}
+    device_fits = True  # HiSparse on: the device's KV bytes, counted on its tensors, within the budget
     for ctx in contexts:
         L = ctx + O
         off, on = max_batch(model, L, budget, None), max_batch(model, L, budget, 2 * topk)
         cap_x[ctx] = on / off if off else float("inf")
         print(f"   context {ctx:>6}: largest decode batch off {off:3d}  on {on:3d}  ({cap_x[ctx]:.2f}x; target >= "
               f"{TARGET_BATCH_X:g}x: {'met' if cap_x[ctx] >= TARGET_BATCH_X else 'MISSED'})")
+        for name, m, hot in (("off", off, None), ("on", on, 2 * topk)):
+            if not m:
+                continue
+            llm = LLM(model, **engine_kw(L, m, budget, hot))
+            dev, host = allocated_mib(llm, "device"), allocated_mib(llm, "host")
+            if hot is not None:
+                device_fits &= dev <= args.device_mib
+            print(f"      HiSparse {name:<3} at batch {m:3d}: allocated {dev:7.2f} MiB on the device, {host:7.2f} MiB "
+                  f"in host memory")
 
     L = C + O
     b2 = int(args.measured_mib * 2**20)
@@ -258,7 +276,7 @@ def _bench(args, model: str, C: int, O: int, contexts: list[int]) -> int:
     overlap = float("nan")
     for mult in (1, 2, 4):
         llm = LLM(model, **engine_kw(L, 2, None, mult * topk))
-        rec = OverlapRecorder(llm.engine.kv.hisparse)
+        rec = OverlapRecorder(llm.engine.runner.hot_buffers)
         r = run(llm, ps2, O)
         identical &= r["tokens"] == ref
         hit[mult] = r["stats"].hit_rate
@@ -273,7 +291,7 @@ def _bench(args, model: str, C: int, O: int, contexts: list[int]) -> int:
         ps3 = prompts(2, C, 3, vocab, kind)
         want = run(LLM(model, **engine_kw(L, 2, None, None)), ps3, O)["tokens"]
         llm = LLM(model, **engine_kw(L, 2, None, 2 * topk))
-        rec = OverlapRecorder(llm.engine.kv.hisparse)
+        rec = OverlapRecorder(llm.engine.runner.hot_buffers)
         r = run(llm, ps3, O)
         identical &= r["tokens"] == want
         drift[kind] = r["stats"].hit_rate
@@ -291,7 +309,7 @@ def _bench(args, model: str, C: int, O: int, contexts: list[int]) -> int:
     print(f"\noutputs identical with HiSparse on and off in every part: {identical}")
     first = contexts[0]
     print(f"RESULT capacity_x_{first // 1024}k={cap_x[first]:.2f} capacity_x_{contexts[-1] // 1024}k="
-          f"{cap_x[contexts[-1]]:.2f} measured_batch_off={off_r['peak']} measured_batch_on={on_r['peak']} max_batch_off={m_off} max_batch_on={m_on} "
+          f"{cap_x[contexts[-1]]:.2f} device_fits={int(device_fits)} measured_batch_off={off_r['peak']} measured_batch_on={on_r['peak']} max_batch_off={m_off} max_batch_on={m_on} "
           f"decode_tok_s_off={off_r['decode_tok_s']:.1f} decode_tok_s_on={on_r['decode_tok_s']:.1f} "
           f"hit_1x={hit[1]:.3f} hit_2x={hit[2]:.3f} hit_4x={hit[4]:.3f} overlap={overlap:.3f} "
           f"drift_repeated={drift['repeated']:.3f} drift_random={drift['random']:.3f} "

@@ -28,13 +28,12 @@ from typing import Hashable, Mapping, Sequence
 from hybridkv.block_manager.block_space import BlockSpace
 from hybridkv.block_manager.block_table import BlockTable
 from hybridkv.block_manager.eviction_policy import EvictionPolicy
-from hybridkv.block_manager.hisparse import HotBuffers
 from hybridkv.block_manager.host_pool import HostPool
 from hybridkv.block_manager.host_tier import HostTier
 from hybridkv.block_manager.shadow_index import ShadowIndex
 from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
 from hybridkv.block_manager.storage_tier import StorageTier
-from hybridkv.block_manager.kv_plan import KVCacheLayout, KVPlan, TierTransfers
+from hybridkv.block_manager.kv_plan import HotBufferShape, KVCacheLayout, KVPlan, TierTransfers
 from hybridkv.block_manager.request_pages import (
     PrefixHit, RequestPages, SwappedTail, TablePages, request_pages_needed, windowed_live_pages,
 )
@@ -58,13 +57,13 @@ class KVCacheManager:
         host_pages: dict[str, int] | None = None,
         hicache_write_policy: str = "write_through",
         load_back_threshold: int = 0,
-        hisparse: HotBuffers | None = None,
+        report_freed: bool = False,
         decode_publish_tokens: int = 128,
     ) -> None:
         """max_pages_per_request / max_requests only size the block tables up front (they grow).
 
-        hisparse: the HiSparse hot buffers (decode reads of C4 entries); a request's row there
-        is released with its pages.
+        report_freed: keep the ids of freed requests until take_freed() (the executor empties
+        per-request device state of its own, HiSparse's hot-buffer rows, for them).
 
         decode_publish_tokens: a decoding request's whole pages are published to the prefix index
         once this many tokens' worth of them are pending (at least one page), not page by page:
@@ -100,7 +99,7 @@ class KVCacheManager:
             raise ValueError(f"decode_publish_tokens must be >= 1, got {decode_publish_tokens}")
         windowed = any(s.windowed for s in specs)
         self.publish_pages = 1 if windowed else max(1, decode_publish_tokens // page_size)
-        self.hisparse = hisparse
+        self._freed: list[str] | None = [] if report_freed else None
         self.index = (
             ShadowIndex(self.spaces, page_size, EvictionPolicy(eviction_policy), windowed_match, self.host_tier)
             if enable_prefix_caching
@@ -452,10 +451,12 @@ class KVCacheManager:
         if taken:
             self._swapped[request_id] = SwappedTail(full, partial, taken)
 
-    def layout(self, host_spaces: frozenset[str] = frozenset()) -> KVCacheLayout:
-        """The shape the executor allocates the KV tensors from."""
+    def layout(self, host_spaces: frozenset[str] = frozenset(), hot_buffers: HotBufferShape | None = None
+               ) -> KVCacheLayout:
+        """The shape the executor allocates the KV tensors from (host_spaces, hot_buffers:
+        HiSparse's mirror in host memory and its device hot buffers)."""
         return KVCacheLayout(self.page_size, dict(self.specs),
-                             {n: s.num_physical_pages for n, s in self.spaces.items()}, host_spaces, self.hisparse)
+                             {n: s.num_physical_pages for n, s in self.spaces.items()}, host_spaces, hot_buffers)
 
     def plan(self, request_ids: list[str]) -> KVPlan:
         """The step's plan for these requests (allocated this step): their block-table rows, the
@@ -546,14 +547,21 @@ class KVCacheManager:
         """Every page of the request goes back (nothing is published); its reads are dropped."""
         if self.storage is not None:
             self.storage.abort(request_id)
-        if self.hisparse is not None:
-            self.hisparse.release(request_id)
+        if self._freed is not None:
+            self._freed.append(request_id)
         req = self._requests.pop(request_id, None)
         if req is not None:
             self._release(req)
         elif request_id in self._swapped:  # a swapped-out request that will not resume
             for name, h in self._swapped.pop(request_id).host_pages.items():
                 self.host_tier.release(name, h)
+
+    def take_freed(self) -> list[str]:
+        """The requests freed since the last call (always [] without report_freed)."""
+        if not self._freed:
+            return []
+        freed, self._freed = self._freed, []
+        return freed
 
     def _release(self, req: RequestPages) -> None:
         if req.receipt is not None:
@@ -597,8 +605,6 @@ class KVCacheManager:
             space.check_invariants()
         if self.index is not None:
             self.index.check_invariants()
-        if self.hisparse is not None:
-            self.hisparse.check_invariants()
         held: dict[str, dict[int, int]] = {name: {} for name in self.spaces}
         rows = set()
         for rid, req in self._requests.items():
@@ -653,5 +659,4 @@ class KVCacheManager:
             assert self.index.num_host_pins == 0, f"{self.index.num_host_pins} host pins still held"
         if self.host_tier is not None:
             assert self.host_tier.transfers.empty, "tier copies were decided but never executed"
-        if self.hisparse is not None:
-            assert self.hisparse.num_active == 0, f"{self.hisparse.num_active} hot-buffer rows still held"
+        assert not self._freed, f"freed requests never handed to the executor: {self._freed}"

@@ -22,7 +22,6 @@ last copy (the earlier one's owner is gone), and every index of a batched scatte
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -62,16 +61,29 @@ class TierTransfers:
 
 
 @dataclass(frozen=True)
+class HotBufferShape:
+    """HiSparse's hot buffers, as the executor allocates them on the device: per CSA layer
+    (num_layers), `rows` buffer rows (one per running request) of `size` C4 entry slots, for
+    selections of at most `topk` entries."""
+
+    num_layers: int
+    rows: int
+    size: int
+    topk: int
+
+
+@dataclass(frozen=True)
 class KVCacheLayout:
     """What the executor allocates the KV tensors from: the page size, every space's spec and
-    physical page count (the null page included), and the spaces whose pool lives in host memory
-    (HiSparse's c4 mirror: charged to the host budget, read on the device through hot buffers)."""
+    physical page count (the null page included), the spaces whose pool lives in host memory
+    (HiSparse's c4 mirror: charged to the host budget, read on the device through hot buffers),
+    and the hot buffers' shape (None: HiSparse off)."""
 
     page_size: int
     specs: dict[str, SpaceSpec]
     num_physical_pages: dict[str, int]
     host_spaces: frozenset[str] = frozenset()
-    hot_buffers: Any = None  # HiSparse's hot-buffer bookkeeping (None: off)
+    hot_buffers: HotBufferShape | None = None
 
     def slots(self, space: str) -> int:
         """Slots of the space's physical pool (slot dimension of its tensors)."""

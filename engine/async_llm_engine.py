@@ -109,6 +109,8 @@ class EngineSnapshot:
     storage: dict[str, float] = field(default_factory=dict)
     # HiSparse, when enabled: hot-buffer lookups / hits / loads, rows held, mirror pages.
     hisparse: dict[str, float] = field(default_factory=dict)
+    # Bytes allocated for the KV cache: tier ("device" / "host") -> space -> bytes (fixed at start).
+    kv_cache_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @classmethod
     def capture(cls, engine: LLMEngine) -> "EngineSnapshot":
@@ -141,6 +143,7 @@ class EngineSnapshot:
             num_swap_ins=engine.scheduler.num_swap_ins,
             storage=engine.storage.snapshot() if engine.storage is not None else {},
             hisparse=engine.hisparse_stats(),
+            kv_cache_bytes=engine.kv_cache_bytes,
         )
 
 

@@ -1,21 +1,22 @@
 """How HiSparse changes the engine's memory plan (DeepSeek-V4 CSA layers).
 
 Without HiSparse every whole-history space (c4, indexer, c128) is charged to the device KV
-budget (kv_cache_memory_bytes) page for page. With it, the c4 space is the host mirror: it is
-charged to host memory (hisparse_config["mirror_bytes"], default: as many pages as the other
-whole-history spaces get), and the device pays instead a fixed hot buffer per decoding request
-and CSA layer (max_num_seqs rows x hot_buffer_size entries). At long contexts C4 is the largest
-whole-history space, so the same device budget holds several times the decode batch; the
-mirror's size is what limits admission then (a request needs all its c4 pages).
+budget (kv_cache_memory_bytes) page for page. With it, the c4 space is the mirror: its pool is
+allocated in host memory (KVCacheLayout.host_spaces; pinned on CUDA) and sized by its own
+budget (hisparse_config["mirror_bytes"], default: as many pages as the other whole-history
+spaces get), and the device pays instead for hot buffers of a fixed size, one row per running
+request and CSA layer (max_num_seqs rows x hot_buffer_size entries), and their slot tables. At
+long contexts C4 is the largest whole-history space, so the same device budget holds several
+times the decode batch; the mirror's size is what limits admission then (a request needs all
+its c4 pages).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from hybridkv.attention_backends.hisparse_buffers import hot_buffer_bytes
 from hybridkv.attention_backends.hybrid_metadata import C4
-from hybridkv.block_manager.hisparse import HotBuffers
+from hybridkv.block_manager.kv_plan import HotBufferShape
 from hybridkv.block_manager.space_spec import SpaceSpec
 from hybridkv.engine.config import HiSparseConfig
 
@@ -45,14 +46,19 @@ class HiSparsePlan:
         return cls(C4, num_layers, topk, size, max_num_seqs, entry_bytes, config.mirror_bytes)
 
     @property
+    def shape(self) -> HotBufferShape:
+        """The hot buffers as the executor allocates them (KVCacheLayout.hot_buffers)."""
+        return HotBufferShape(self.num_layers, self.rows, self.hot_buffer_size, self.topk)
+
+    @property
     def device_bytes(self) -> int:
-        """The hot buffers' device memory (taken from the KV budget)."""
-        return self.rows * self.hot_buffer_size * self.entry_bytes
+        """The hot buffers' device memory, slot tables included (taken from the KV budget)."""
+        return hot_buffer_bytes(self.shape, self.entry_bytes // self.num_layers)
+
+    @property
+    def host_spaces(self) -> frozenset[str]:
+        """The spaces whose pool lives in host memory (KVCacheLayout.host_spaces): the mirror."""
+        return frozenset({self.space})
 
     def mirror_pages(self, bytes_per_page: int) -> int | None:
         return None if self.mirror_bytes is None else max(1, self.mirror_bytes // bytes_per_page)
-
-    def buffers(self, device: torch.device | str) -> HotBuffers:
-        """The hot buffers' bookkeeping, on the engine's device (where the hot buffers, the top-k
-        and a fused swap-in kernel read it)."""
-        return HotBuffers(self.num_layers, self.rows, self.hot_buffer_size, self.topk, device=device)

@@ -52,7 +52,9 @@ def plan_kv_memory(config: EngineConfig, specs: list[SpaceSpec], model, max_mode
 def _log_budget(config: EngineConfig, specs: list[SpaceSpec], plan: KVMemoryPlan, max_model_len: int) -> None:
     """The KV budget in the startup log: bytes, and tokens of context it holds."""
     P, pages = plan.block_size, plan.device_pages
-    total = sum(pages[s.name] * s.bytes_per_page(P) for s in specs)
+    mirrored = plan.hisparse.space if plan.hisparse is not None else None
+    total = sum(pages[s.name] * s.bytes_per_page(P) for s in specs if s.name != mirrored)
+    total += plan.hisparse.device_bytes if plan.hisparse is not None else 0
     whole = [pages[s.name] for s in specs if not s.windowed] or list(pages.values())
     how = ("kv_cache_memory_bytes" if config.kv_cache_memory_bytes is not None else
            f"default: max_num_seqs={config.max_num_seqs} x max_model_len={max_model_len}, capped at "
@@ -60,6 +62,23 @@ def _log_budget(config: EngineConfig, specs: list[SpaceSpec], plan: KVMemoryPlan
     taken = ("on huge pages, touched at start (kv_cache_prefault)" if config.kv_cache_prefault
              else "pages taken as they are written")
     logger.info("KV cache budget: %.0f MiB, %d tokens of context (%s); %s", total / 2**20, min(whole) * P, how, taken)
+
+
+def log_kv_cache_bytes(allocated: dict[str, dict[str, int]]) -> None:
+    """What was allocated for the KV cache, per tier and space (ModelRunner.kv_cache_bytes: the
+    tensors' own sizes): the device line is what kv_cache_memory_bytes bounds; the host line
+    holds HiSparse's c4 mirror and the host tier's (HiCache L2) pages."""
+    logger.info("KV cache allocated: %s", describe_kv_cache_bytes(allocated))
+
+
+def describe_kv_cache_bytes(allocated: dict[str, dict[str, int]]) -> str:
+    """One line, MiB per tier and space, e.g. 'device 127.98 MiB (swa 36.75, ..., hot_buffer 1.05);
+    host 535.00 MiB (c4 535.00)'."""
+    parts = []
+    for tier, spaces in allocated.items():
+        each = ", ".join(f"{name} {n / 2**20:.2f}" for name, n in spaces.items())
+        parts.append(f"{tier} {sum(spaces.values()) / 2**20:.2f} MiB" + (f" ({each})" if each else ""))
+    return "; ".join(parts)
 
 
 def choose_block_size(explicit: int | None, specs: list[SpaceSpec], model) -> int:
@@ -113,7 +132,9 @@ def pages_per_space(config: EngineConfig, specs: list[SpaceSpec], page_size: int
     step can get there.
 
     HiSparse (engine/hisparse_plan.py): the c4 space is the host mirror, outside the device
-    budget, which pays the hot buffers instead.
+    budget, which pays the hot buffers instead. The budget then bounds every byte the device
+    holds for KV: the hot buffers with their slot tables and each device space's null page come
+    out of it before the pages are split.
     """
     P = page_size
     seqs = config.max_num_seqs
@@ -129,17 +150,19 @@ def pages_per_space(config: EngineConfig, specs: list[SpaceSpec], page_size: int
 
     budget = config.kv_cache_memory_bytes
     n_default = -(-seqs * (max_model_len + P) // P)
-    hot = hisparse.device_bytes if hisparse is not None else 0
+    nulls = sum(s.bytes_per_page(P) for s in specs)
+    reserved = hisparse.device_bytes + nulls if hisparse is not None else 0
     if budget is None:  # engine/kv_budget.py: never below one full-length sequence
         one = one_sequence_bytes(specs, max_model_len, P, max_chunk_tokens, config.enable_prefix_caching)
-        budget = min(cost(n_default) + hot, max(default_kv_cache_cap_bytes(), one + hot))
+        budget = min(cost(n_default) + reserved, max(default_kv_cache_cap_bytes(), one + reserved))
     if hisparse is not None:
-        budget -= hot
+        budget -= reserved
         if budget <= 0:
             raise ValueError(
                 f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} does not hold the HiSparse hot "
                 f"buffers ({hisparse.device_bytes} bytes: max_num_seqs={seqs} x hot_buffer_size="
-                f"{hisparse.hot_buffer_size} entries); raise it or lower max_num_seqs")
+                f"{hisparse.hot_buffer_size} entries, with their slot tables) and the device spaces' "
+                f"null pages ({nulls} bytes); raise it or lower max_num_seqs")
     if not whole:  # every space is windowed (e.g. Mistral): they share the whole budget
         n = max(1, budget // sum(s.bytes_per_page(P) for s in specs))
         if config.kv_cache_memory_bytes is None:

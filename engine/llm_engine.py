@@ -20,7 +20,7 @@ from hybridkv.block_manager.kv_cache_manager import KVCacheManager
 from hybridkv.engine.config import EngineConfig, resolve_device
 from hybridkv.engine.decode_burst import burst_limit
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
-from hybridkv.engine.kv_memory_plan import plan_kv_memory
+from hybridkv.engine.kv_memory_plan import log_kv_cache_bytes, plan_kv_memory
 from hybridkv.engine.outputs import Logprob, PositionLogprobs, RequestOutput
 from hybridkv.engine.prompts import PromptType, as_token_ids, is_token_array, tokenize_prompt, validate_prompt
 from hybridkv.engine.request import Request, RequestStatus
@@ -87,10 +87,15 @@ class LLMEngine:
             max_requests=min(config.max_num_seqs, 64),
             host_pages=memory.host_pages, hicache_write_policy=config.hicache_write_policy,
             load_back_threshold=config.load_back_threshold,
-            hisparse=self.hisparse.buffers(device) if self.hisparse is not None else None,
+            report_freed=self.hisparse is not None,  # the runner empties their hot-buffer rows
         )
-        self.runner.bind_kv_cache(self.kv.layout(), prefault=bool(config.kv_cache_prefault))
+        hs = self.hisparse  # its c4 mirror in host memory, hot buffers on the device
+        layout = self.kv.layout(hs.host_spaces, hs.shape) if hs is not None else self.kv.layout()
+        self.runner.bind_kv_cache(layout, prefault=bool(config.kv_cache_prefault))
         self.storage = wire_tiers(config, self.kv, self.runner, memory.host_pages, model_dir, specs)
+        # What was allocated, from the tensors: tier ("device" / "host") -> space -> bytes.
+        self.kv_cache_bytes = self.runner.kv_cache_bytes()
+        log_kv_cache_bytes(self.kv_cache_bytes)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, memory.max_num_batched_tokens, self.max_model_len,
                             config.scheduling_policy, config.target_step_seconds, config.max_step_seconds,
@@ -213,8 +218,8 @@ class LLMEngine:
             if not req.finished:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             self._request_to_group.pop(req.request_id, None)
-            if self.kv.hisparse is not None:
-                self.kv.hisparse.forget(req.request_id)
+            if self.runner.hot_buffers is not None:
+                self.runner.hot_buffers.forget(req.request_id)
         self.executor.flush_copies()  # its pages' host copies, decided as it left
 
     def has_unfinished_requests(self) -> bool:
@@ -315,7 +320,7 @@ class LLMEngine:
 
     # -- outputs ------------------------------------------------------------------------------
     def _make_output(self, group: RequestGroup) -> RequestOutput | None:
-        buffers = self.kv.hisparse
+        buffers = self.runner.hot_buffers
         out = make_output(group, buffers.request_counts if buffers is not None else None)
         if out is not None and out.finished:
             self._groups.pop(group.request_id, None)
@@ -328,7 +333,7 @@ class LLMEngine:
     # -- introspection -------------------------------------------------------------------------
     def hisparse_stats(self) -> dict[str, float]:
         """HiSparse counters for /metrics ({} when it is off)."""
-        buffers = self.kv.hisparse
+        buffers = self.runner.hot_buffers
         if buffers is None:
             return {}
         st, plan = buffers.stats, self.hisparse
@@ -342,6 +347,8 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
+        if self.runner.hot_buffers is not None:
+            self.runner.hot_buffers.check_invariants()
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()

@@ -5,7 +5,9 @@ runner execute it: an ordinary forward, or a decode burst of several greedy step
 call (engine/decode_burst.py) where the schedule allows one. Between steps it hands the runner
 the copies decided since the last plan (write-through of pages a step completed, copies of
 pages requests published as they left) and tells the manager they ran, so the storage tier's
-write-behind can read them. The engine books what comes back.
+write-behind can read them; it also tells the runner which requests left (their HiSparse
+hot-buffer rows), before each step and at each flush, so an idle engine holds none. The engine
+books what comes back.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class StepExecutor:
         """Execute a non-empty schedule: one RunnerOutput per decode step run (several for a
         burst, each with every scheduled sequence's token of that step; the caller stops taking
         a sequence's tokens once it stopped)."""
+        self.runner.release_requests(self.kv.take_freed())  # preempted by this schedule
         steps = self._burst_steps(sched, scheduler)
         if steps > 1:
             tokens = self._run_burst(sched, steps)
@@ -38,7 +41,9 @@ class StepExecutor:
         return [self.runner.execute(sched.model_input(), plan)]
 
     def flush_copies(self) -> None:
-        """Execute the tier copies decided since the last plan, now (no forward waits for them)."""
+        """Execute the tier copies decided since the last plan, now (no forward waits for them),
+        and release the runner's state of the requests that left."""
+        self.runner.release_requests(self.kv.take_freed())
         copies = self.kv.take_transfers()
         if copies.empty:
             return
@@ -47,8 +52,8 @@ class StepExecutor:
 
     # -- decode bursts (num_scheduler_steps) ------------------------------------------------------
     def _burst_steps(self, sched: SchedulerOutput, scheduler: Scheduler) -> int:
-        if (self.burst_limit <= 1 or sched.preempted or self.kv.storage is not None or self.kv.hisparse is not None
-                or not self.runner.burst_fits(len(sched.scheduled))):
+        if (self.burst_limit <= 1 or sched.preempted or self.kv.storage is not None
+                or self.runner.hot_buffers is not None or not self.runner.burst_fits(len(sched.scheduled))):
             return 1
         return burst_steps(self.burst_limit, [s.request for s in sched.scheduled],
                            [s.num_new_tokens for s in sched.scheduled], scheduler.num_running,

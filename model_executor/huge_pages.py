@@ -78,6 +78,16 @@ def lazy_zero_pages(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 
+def host_kv_pool(*shape: int, dtype: torch.dtype, pinned: bool, prefault: bool = False) -> torch.Tensor:
+    """A KV cache pool in host memory (HiSparse's C4 mirror, read by a forward that may run on
+    another device), zeroed. pinned (a CUDA engine): page-locked, so copies to and from the
+    device are DMA and may be asynchronous; pinned memory is committed in full here. Otherwise
+    the CPU pool of kv_pool_on (taken as pages are written, or prefaulted)."""
+    if pinned:
+        return torch.zeros(*shape, dtype=dtype, pin_memory=True)
+    return kv_pool_on("cpu", *shape, dtype=dtype, prefault=prefault)
+
+
 def kv_pool_on(device: torch.device | str, *shape: int, dtype: torch.dtype, prefault: bool = False) -> torch.Tensor:
     """A KV cache pool on `device`, zeroed (the null page every masked or padded read points at
     must read as zeros). On the CPU its memory is taken lazily by default (lazy_zero_pages, small

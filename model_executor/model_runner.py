@@ -14,12 +14,14 @@ import os
 import time
 from concurrent.futures import wait
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import numpy as np
 import torch
 
 from hybridkv.attention_backends.metadata import StepSequences
 from hybridkv.attention_backends.cpu_kernels.build import prebuild
+from hybridkv.attention_backends.hisparse_buffers import HotBuffers
 from hybridkv.attention_backends.registry import check_attention_backend, get_attention_backend
 from hybridkv.block_manager.kv_plan import KVCacheLayout, KVPlan, TierTransfers
 from hybridkv.model_executor.host_kv_cache import HostKVCache
@@ -214,6 +216,40 @@ class ModelRunner:
         self.layout = layout
         self.windows = layout.windows
         self.kv_caches = self.model.allocate_kv_cache(layout, self.backend, self.dtype, self.device, prefault=prefault)
+
+    @property
+    def hot_buffers(self) -> HotBuffers | None:
+        """HiSparse's hot buffers, the model's (None: off). The engine reads their counters and
+        tells them which requests left (release_requests)."""
+        return getattr(self.model, "hot_buffers", None)
+
+    def release_requests(self, request_ids: Iterable[str]) -> None:
+        """Requests that left the device (finished, preempted, aborted): their HiSparse hot-buffer
+        rows are emptied and free for others."""
+        buffers = self.hot_buffers
+        if buffers is not None:
+            for rid in request_ids:
+                buffers.release(rid)
+
+    def kv_cache_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes allocated for the KV cache per tier ("device", "host") and space, summed over
+        the tensors themselves: each space's pools (in host memory: layout.host_spaces, HiSparse's
+        c4 mirror), the model's auxiliary tensors on the device (HiSparse's "hot_buffer"), and the
+        host tier's page buffers (HiCache L2) in host memory."""
+        out: dict[str, dict[str, int]] = {"device": {}, "host": {}}
+
+        def add(tier: str, name: str, tensors: list[torch.Tensor]) -> None:
+            out[tier][name] = out[tier].get(name, 0) + sum(t.numel() * t.element_size() for t in tensors)
+
+        host_spaces = self.layout.host_spaces if self.layout is not None else frozenset()
+        for name, tensors in self.kv_caches.items():
+            add("host" if name in host_spaces else "device", name, tensors)
+        for name, tensors in self.model.auxiliary_kv_tensors().items():
+            add("device", name, tensors)
+        if self.host_cache is not None:
+            for name, tensors in self.host_cache.host.items():
+                add("host", name, tensors)
+        return out
 
     def bind_host_cache(self, host_pages: dict[str, int], mem_layout: str) -> None:
         """The host tier's page buffers for every space (HiCache L2); pinned on CUDA."""

@@ -49,3 +49,5 @@ def _engines_end_idle(monkeypatch):
     for engine in built:
         assert not engine.has_unfinished_requests(), "test left requests in the engine (abort them)"
         engine.kv.assert_idle()
+        hot = engine.runner.hot_buffers  # HiSparse: every request's hot-buffer row was released
+        assert hot is None or hot.num_active == 0, f"{hot.num_active} hot-buffer rows still held"

@@ -52,6 +52,25 @@ def test_no_module_imports_a_subpackage_by_its_top_level_name():
     assert not bad, "imports by top-level name: " + ", ".join(bad[:10])
 
 
+def test_the_executor_reads_only_the_block_managers_hand_over():
+    """model_executor and attention_backends import from block_manager only its vocabulary
+    (space_spec) and its hand-over (kv_plan): the index, the tiers and the manager decide, and
+    state the forward drives (HiSparse's hot buffers) lives on the executor side."""
+    allowed = {"hybridkv.block_manager.space_spec", "hybridkv.block_manager.kv_plan"}
+    bad = []
+    for folder in ("model_executor", "attention_backends"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module]
+                bad += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
+                        if n.startswith("hybridkv.block_manager") and n not in allowed]
+    assert not bad, "executor imports of the block manager: " + ", ".join(bad)
+
+
 def test_lower_layers_do_not_import_the_engine(tmp_path):
     """block_manager, model_executor and attention_backends load without hybridkv.engine."""
     code = (

@@ -1,7 +1,7 @@
 """HiSparse's hot-buffer swap-in as one Triton kernel: one program per buffer row.
 
-Same decision as block_manager/hisparse.py's HotBuffers.assign (which is the reference), done
-where the buffers live instead of as a dozen torch ops per layer (SGLang fuses the same steps):
+Same decision as hisparse_buffers.py's HotBuffers.assign (which is the reference), done where
+the buffers live instead of as a dozen torch ops per layer (SGLang fuses the same steps):
 
   1. hits     each requested entry is compared with the row's `size` held entries;
   2. victims  every slot's rank in (LRU key, slot index) order, where the key is -1 for an
@@ -9,7 +9,10 @@ where the buffers live instead of as a dozen torch ops per layer (SGLang fuses t
               the j-th miss (in column order) takes the slot of rank j;
   3. slot map the placed entries and the step's clock are written into the row's entry /
               last-use tables (in place: HotBuffers' own tensors);
-  4. copy     each miss's vector is copied from the mirror (c4 pool) into its buffer slot.
+  4. copy     each miss's vector is copied from the source (the mirror, or the step's new
+              entries) into its buffer slot -- when the source is on the buffers' device. The
+              mirror lives in host memory on CUDA: then the kernel skips the copy and the misses
+              are gathered on the host and moved in one transfer (host_mirror.gather_rows).
 
 Rows are distinct within a call, so the programs never write the same table row or slot. The
 rank step compares every pair of a row's slots, SLOT_BLOCK x SLOT_BLOCK at a time: O(size^2)
@@ -24,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridkv.block_manager.hisparse import NO_ENTRY, HotBuffers
+from hybridkv.attention_backends.hisparse_buffers import NO_ENTRY, HotBuffers
+from hybridkv.attention_backends.host_mirror import crosses, gather_rows
 
 # Sort key of a slot holding a hit (never a victim), and of the block's padding beyond `size`.
 _PROTECTED = tl.constexpr(1 << 62)
@@ -52,7 +56,7 @@ def _swap_in_kernel(
     hot_ptr, mirror_ptr, hot_stride, mirror_stride,
     slots_out_ptr, found_out_ptr,  # [n, K] global buffer slots, [n, K] hit flags
     clock, K, S, D,
-    BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, COPY: tl.constexpr,
 ):
     i = tl.program_id(0)
     row = tl.load(rows_ptr + i)
@@ -93,43 +97,54 @@ def _swap_in_kernel(
     glob = tl.where(valid, 1 + base + slot, 0)
     tl.store(slots_out_ptr + i * K + ks, glob, mask=k_in)
     tl.store(found_out_ptr + i * K + ks, found.to(tl.int8), mask=k_in)
-    # 4. copy the misses in from the mirror.
-    msl = tl.load(mslot_ptr + i * K + ks, mask=k_in, other=0)
-    for d0 in range(0, D, BLOCK_D):
-        ds = d0 + tl.arange(0, BLOCK_D)
-        m2 = missed[:, None] & (ds < D)[None, :]
-        v = tl.load(mirror_ptr + msl[:, None] * mirror_stride + ds[None, :], mask=m2, other=0.0)
-        tl.store(hot_ptr + glob[:, None] * hot_stride + ds[None, :], v.to(hot_ptr.dtype.element_ty), mask=m2)
+    # 4. copy the misses in from the source (when it is on this device).
+    if COPY:
+        msl = tl.load(mslot_ptr + i * K + ks, mask=k_in, other=0)
+        for d0 in range(0, D, BLOCK_D):
+            ds = d0 + tl.arange(0, BLOCK_D)
+            m2 = missed[:, None] & (ds < D)[None, :]
+            v = tl.load(mirror_ptr + msl[:, None] * mirror_stride + ds[None, :], mask=m2, other=0.0)
+            tl.store(hot_ptr + glob[:, None] * hot_stride + ds[None, :], v.to(hot_ptr.dtype.element_ty), mask=m2)
 
 
 def triton_swap_in(buffers: HotBuffers, layer: int, rows: torch.Tensor, entries: torch.Tensor, hot: torch.Tensor,
-                   mirror: torch.Tensor, mirror_slots: torch.Tensor, insert: bool = False) -> torch.Tensor:
-    """hisparse_reads.swap_in with the decision, the slot-map update and the copy in one kernel;
-    the lookups and hits are then counted by HotBuffers.account as for the torch path."""
+                   source: torch.Tensor, source_slots: torch.Tensor, insert: bool = False) -> torch.Tensor:
+    """hisparse_reads.swap_in with the decision, the slot-map update and (from a source on the
+    buffers' device) the copy in one kernel; the lookups and hits are then counted by
+    HotBuffers.account as for the torch path. A source on another device (the host mirror) is
+    read by one host gather of the misses after the kernel."""
     n, k = entries.shape
     S = buffers.size
     if k > S:
         raise ValueError(f"{k} entries at once do not fit a hot buffer of {S}")
     if n == 0 or k == 0:
         return torch.zeros(n, k, dtype=torch.long, device=entries.device)
-    if len({buffers.entry.device, hot.device, mirror.device, entries.device}) > 1:
-        raise ValueError("HiSparse's slot tables, the hot buffer, the mirror and the selection must be on one device "
-                         f"(got tables on {buffers.entry.device}, hot buffer on {hot.device}, mirror on "
-                         f"{mirror.device}, selection on {entries.device})")
-    if hot.stride(1) != 1 or mirror.stride(1) != 1:
-        raise ValueError("the hot buffer and the mirror must have unit stride along the entry vector")
+    if len({buffers.entry.device, hot.device, entries.device}) > 1:
+        raise ValueError("HiSparse's slot tables, the hot buffer and the selection must be on one device "
+                         f"(got tables on {buffers.entry.device}, hot buffer on {hot.device}, selection on "
+                         f"{entries.device})")
+    copy_here = not crosses(source, hot)
+    if hot.stride(1) != 1 or (copy_here and source.stride(1) != 1):
+        raise ValueError("the hot buffer and the source must have unit stride along the entry vector")
     entries = entries.to(torch.long).contiguous()
-    mirror_slots = mirror_slots.to(torch.long).contiguous()
+    source_slots = source_slots.to(torch.long).contiguous()
+    kernel_slots = source_slots.to(hot.device) if copy_here else source_slots.new_zeros(0).to(hot.device)
     rows = rows.to(device=entries.device, dtype=torch.long).contiguous()
     table, last_use = buffers.entry[layer], buffers.last_use[layer]  # views: the kernel updates them in place
     slots = torch.empty(n, k, dtype=torch.long, device=entries.device)
     found = torch.empty(n, k, dtype=torch.int8, device=entries.device)
     D = hot.shape[1]
+    src = source if copy_here else hot  # not read without COPY
     _swap_in_kernel[(n,)](
-        table, last_use, rows, entries, mirror_slots, hot, mirror, hot.stride(0), mirror.stride(0), slots, found,
+        table, last_use, rows, entries, kernel_slots, hot, src, hot.stride(0), src.stride(0), slots, found,
         buffers.tick(), k, S, D,
         BLOCK_K=triton.next_power_of_2(k), BLOCK_S=min(SLOT_BLOCK, triton.next_power_of_2(S)),
-        BLOCK_D=min(64, triton.next_power_of_2(D)),
+        BLOCK_D=min(64, triton.next_power_of_2(D)), COPY=copy_here,
     )
-    buffers.account(rows, entries != NO_ENTRY, found.bool(), insert)
+    valid, hit = entries != NO_ENTRY, found.bool()
+    if not copy_here:
+        missed = valid & ~hit
+        if bool(missed.any()):
+            hot.index_copy_(0, slots[missed], gather_rows(source, source_slots[missed.to(source_slots.device)], hot))
+    buffers.account(rows, valid, hit, insert)
     return slots

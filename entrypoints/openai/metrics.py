@@ -70,6 +70,14 @@ class _EngineCollector(Collector):
                 pages.add_metric([self._model, name, state], n)
         yield usage
         yield pages
+        if s.kv_cache_bytes:
+            allocated = GaugeMetricFamily(PREFIX + "kv_cache_bytes",
+                                          "Bytes allocated for the KV cache by tier (device, host) and space.",
+                                          labels=["model_name", "tier", "space"])
+            for tier, spaces in s.kv_cache_bytes.items():
+                for name, n in spaces.items():
+                    allocated.add_metric([self._model, tier, name], n)
+            yield allocated
         yield counter("prompt_tokens", "Prompt tokens received.", s.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)

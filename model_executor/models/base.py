@@ -27,8 +27,8 @@ class CausalLM(nn.Module):
     and may override the hooks below, whose defaults fit dense decoders whose attention layers
     (attention_layers(): modules with .space, .num_kv_heads, .head_dim and k_cache / v_cache /
     backend slots) each keep one K and one V per token in one space:
-      default_block_size, allocate_kv_cache, build_attention_metadata, cast_to, pack_weights,
-      step_cost, decode_burst, cpu_kernel_loaders.
+      default_block_size, allocate_kv_cache, auxiliary_kv_tensors, build_attention_metadata, cast_to,
+      pack_weights, step_cost, decode_burst, cpu_kernel_loaders.
     """
 
     # The page size this model prefers when the user leaves block_size at the engine default;
@@ -81,6 +81,12 @@ class CausalLM(nn.Module):
                 attn.backend = backend
             caches[name] = [cache]
         return caches
+
+    def auxiliary_kv_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Device tensors the model allocated for its KV cache beyond the spaces' pools (what
+        allocate_kv_cache returns), by name: the runner reports them and the device KV budget
+        pays for them. Default: none (DeepSeek-V4 with HiSparse: its hot buffers)."""
+        return {}
 
     def build_attention_metadata(
         self, seqs: StepSequences, windows: dict[str, int | None], page_size: int

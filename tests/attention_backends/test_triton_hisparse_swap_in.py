@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 from hybridkv.attention_backends.hisparse_reads import swap_in  # noqa: E402
 from hybridkv.attention_backends.triton_attention.hisparse_swap_in import triton_swap_in  # noqa: E402
-from hybridkv.block_manager.hisparse import NO_ENTRY, HotBuffers  # noqa: E402
+from hybridkv.attention_backends.hisparse_buffers import NO_ENTRY, HotBuffers  # noqa: E402
 
 
 def _requests(g: torch.Generator, n: int, k: int, universe: int, pad: float) -> torch.Tensor:
@@ -25,13 +25,19 @@ def _requests(g: torch.Generator, n: int, k: int, universe: int, pad: float) -> 
     return rows.masked_fill(torch.rand(n, k, generator=g) < pad, NO_ENTRY)
 
 
+@pytest.mark.parametrize("host_source", [False, True], ids=["same_device", "host_mirror"])
 @pytest.mark.parametrize("size,k,D,slot_block", [(8, 3, 5, 128), (16, 16, 4, 4), (12, 5, 70, 4), (12, 5, 3, 8)])
-def test_fused_swap_in_equals_the_reference_round_after_round(size, k, D, slot_block, monkeypatch):
+def test_fused_swap_in_equals_the_reference_round_after_round(size, k, D, slot_block, host_source, monkeypatch):
     """slot_block below the buffer size makes the kernel's hit and rank loops span several blocks
-    (and a last partial one)."""
+    (and a last partial one). host_source: the source counts as another device's (the host mirror
+    of a CUDA engine), so the kernel only decides and the misses are copied by a host gather."""
+    from hybridkv.attention_backends import host_mirror
     from hybridkv.attention_backends.triton_attention import hisparse_swap_in
 
     monkeypatch.setattr(hisparse_swap_in, "SLOT_BLOCK", slot_block)
+    if host_source:
+        monkeypatch.setattr(hisparse_swap_in, "crosses", lambda pool, compute: True)
+        monkeypatch.setattr(host_mirror, "crosses", lambda pool, compute: True)
     g = torch.Generator().manual_seed(size * 100 + k)
     layers, max_requests, universe = 2, 5, 3 * size
     ref, fused = HotBuffers(layers, max_requests, size, k), HotBuffers(layers, max_requests, size, k)

@@ -259,7 +259,7 @@ def test_tiny_v4_triton_backend_with_hisparse_equals_torch_native_without(tmp_pa
     llm = LLM(path, attention_backend="triton", enable_hisparse=True, hisparse_config={"hot_buffer_size": 16}, **kw)
     got = _drive(llm, prompts, max_tokens=8, budget=64)
     assert calls, "the fused swap-in kernel did not run"
-    st = llm.engine.kv.hisparse.stats
+    st = llm.engine.runner.hot_buffers.stats
     assert st.loaded > 0 and st.hits > 0, st
     assert got[1] == want[1]
     for rid in want[0]:

@@ -225,10 +225,11 @@ for a_mask, b_mask in ((True, False), (True, True)):  # C128 (causal prefix) and
         types |= {f"{src}_cache": "*bf16", f"{src}_slots": "*i64", f"{src}_valid": "*u8" if masked else "*i64"}
     compile_explicit(_hybrid_attention_kernel, types,
                      dict(A_MASK=a_mask, B_MASK=b_mask, BLOCK_H=16, BLOCK_N=32, BLOCK_D=512))
-compile_explicit(_swap_in_kernel, {"entry_ptr": "*i64", "used_ptr": "*i64", "rows_ptr": "*i64", "req_ptr": "*i64",
-                                   "mslot_ptr": "*i64", "hot_ptr": "*bf16", "mirror_ptr": "*bf16",
-                                   "slots_out_ptr": "*i64", "found_out_ptr": "*i8", "clock": "i64"},
-                 dict(BLOCK_K=128, BLOCK_S=128, BLOCK_D=64))
+for copy in (True, False):  # the source on the device, and the host mirror (copied after the kernel)
+    compile_explicit(_swap_in_kernel, {"entry_ptr": "*i64", "used_ptr": "*i64", "rows_ptr": "*i64", "req_ptr": "*i64",
+                                       "mslot_ptr": "*i64", "hot_ptr": "*bf16", "mirror_ptr": "*bf16",
+                                       "slots_out_ptr": "*i64", "found_out_ptr": "*i8", "clock": "i64"},
+                     dict(BLOCK_K=128, BLOCK_S=128, BLOCK_D=64, COPY=copy))
 compile_explicit(_row_write_kernel, {"src_ptr": "*bf16", "dst_ptr": "*bf16", "slot_ptr": "*i64"}, dict(BLOCK_D=256))
 print("compiled")
 """

@@ -77,7 +77,7 @@ def test_long_mixed_batch_with_chunked_prefill_equals_hisparse_off(v4_path, name
     llm = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 16}, **kw)
     got = _generate(llm, prompts, 20)
     _same(got, want)
-    st = llm.engine.kv.hisparse.stats
+    st = llm.engine.runner.hot_buffers.stats
     assert st.loaded > 0 and st.handoffs == 3, st
     assert all(o.metrics["hisparse_hit_rate"] is not None for o in got)
 
@@ -90,11 +90,11 @@ def test_buffer_of_exactly_topk_and_buffer_that_holds_everything(v4_path, name):
     want = _generate(LLM(path, **KW), prompts, 16)
     tight = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": topk}, **KW)
     _same(_generate(tight, prompts, 16), want)
-    st = tight.engine.kv.hisparse.stats
+    st = tight.engine.runner.hot_buffers.stats
     assert st.loaded > st.lookups // 4, f"a buffer of top-k should miss often: {st}"
     roomy = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 128}, **KW)
     _same(_generate(roomy, prompts, 16), want)
-    st = roomy.engine.kv.hisparse.stats
+    st = roomy.engine.runner.hot_buffers.stats
     assert st.loaded == 0 and st.hits == st.lookups > 0, f"every entry fits: nothing may be loaded: {st}"
 
 
@@ -119,9 +119,10 @@ def test_preemption_equals_hisparse_off(v4_path):
     kw = dict(KW, max_model_len=384, max_num_batched_tokens=64)
     want = _generate(LLM(path, **kw), prompts, 40)
     # Windowed spaces: 10 pages (3 decoding x 2 + one 64-token chunk with its window, 4) of swa +
-    # state_c4 + state_c128 (32,768 B); hot buffers 10,240 B; whole-history: 24 pages with
-    # HiSparse (about two sequences of 340 tokens).
-    llm = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 10}, kv_cache_memory_bytes=369_640,
+    # state_c4 + state_c128 (32,768 B each); hot buffers 11,840 B (4 rows x 10 entries of 128 B
+    # and a null slot per CSA layer, 1,344 B of slot tables); the device spaces' null pages
+    # 34,048 B; whole-history: 24 pages of 1,280 B with HiSparse (about two sequences of 340 tokens).
+    llm = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 10}, kv_cache_memory_bytes=405_288,
               **kw)
     assert llm.engine.kv.spaces["indexer"].num_pages == 24
     got = _generate(llm, prompts, 40)
@@ -169,7 +170,7 @@ def test_metrics_report_hit_rate_loads_and_mirror_use(v4_path):
     path = v4_path("w16_topk8")
     llm = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 8}, **KW)
     out = _generate(llm, _prompts([200], seed=5), 10)[0]
-    st = llm.engine.kv.hisparse.stats
+    st = llm.engine.runner.hot_buffers.stats
     assert out.metrics["hisparse_lookups"] == st.lookups > 0
     assert out.metrics["hisparse_hit_rate"] == pytest.approx(st.hits / st.lookups)
     text = generate_latest(ServerMetrics("m", lambda: EngineSnapshot.capture(llm.engine)).registry).decode()
@@ -190,7 +191,7 @@ def test_abort_mid_decode_releases_the_row_and_leaves_the_others_unchanged(v4_pa
             LLM(path, **KW).generate([{"prompt_token_ids": p} for p in (a, late)], sp, use_tqdm=False)}
     llm = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 16}, **KW)
     eng = llm.engine
-    hs = eng.kv.hisparse
+    hs = eng.runner.hot_buffers
     eng.add_request("a", {"prompt_token_ids": a}, sp)
     eng.add_request("b", {"prompt_token_ids": b}, sp)
     (b_seq,) = eng.sequence_ids("b")  # hot-buffer rows belong to sequences
@@ -234,26 +235,4 @@ def test_hisparse_with_the_host_tier_equals_both_off(v4_path):
     second = _generate(llm, [longer], 12)[0]
     assert second.metrics["prompt_tokens_from_host"] >= 288, second.metrics
     _same([first, second], want)
-    assert llm.engine.kv.hisparse.num_active == 0
-
-
-def test_the_hot_buffers_bookkeeping_lives_on_the_engines_device(v4_path, monkeypatch):
-    """Every HotBuffers tensor is created on the device the engine runs on (on CUDA the hot
-    buffers, the top-k and the fused swap-in read it there): the engine passes its device, and
-    the buffers put every table on it (checked on the meta device, a stand-in for CUDA here)."""
-    from hybridkv.engine.hisparse_plan import HiSparsePlan
-
-    asked = []
-    original = HiSparsePlan.buffers
-
-    def record(self, device):
-        asked.append(torch.device(device))
-        return original(self, device)
-
-    monkeypatch.setattr(HiSparsePlan, "buffers", record)
-    llm = LLM(v4_path("w16_topk8"), enable_hisparse=True, **KW)
-    assert asked == [torch.device("cpu")], "the engine did not pass its device to the hot buffers"
-    tables = llm.engine.hisparse.buffers("meta")
-    tensors = {name: t for name, t in vars(tables).items() if isinstance(t, torch.Tensor)}
-    assert tensors and all(t.device.type == "meta" for t in tensors.values()), \
-        {n: t.device for n, t in tensors.items()}
+    assert llm.engine.runner.hot_buffers.num_active == 0

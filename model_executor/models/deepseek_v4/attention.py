@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hybridkv.attention_backends.hisparse_reads import HiSparseLayer, prepare_layer
+from hybridkv.attention_backends.hisparse_reads import HiSparseLayer, HiSparseStep, prepare_layer, write_entries
 from hybridkv.attention_backends.hybrid_metadata import C4, C128, INDEXER, HybridAttentionMetadata
 from hybridkv.attention_backends.hybrid_v4 import HybridV4Attention, IndexerQuery
 from hybridkv.model_executor.models.deepseek_v4.compressor import Compressor
@@ -42,8 +42,10 @@ class V4LayerCache:
     swa: torch.Tensor  # [swa slots, D]
     compressor: CompressorCache | None = None  # c4 (CSA) or c128 (HCA) entries
     indexer: CompressorCache | None = None  # indexer keys (CSA)
-    hot: torch.Tensor | None = None  # HiSparse: this CSA layer's hot buffers (c4 entries then = the mirror)
-    hot_layer: int = 0  # its ordinal among the CSA layers (HotBuffers' layer index)
+    # HiSparse: this CSA layer's hot buffers, on the device (compressor.entries is then the c4
+    # mirror, in host memory), and its ordinal among the CSA layers (HotBuffers' layer index).
+    hot: torch.Tensor | None = None
+    hot_layer: int = 0
 
     def paged_tensors(self) -> list[torch.Tensor]:
         """Every block-space tensor this layer reads (what host-tier load-backs may write)."""
@@ -97,20 +99,27 @@ class V4Attention(nn.Module):
         return {CSA: "csa", HCA: "hca"}.get(self.layer_type)
 
     def _compress(self, comp: Compressor, cache: CompressorCache, x: torch.Tensor, meta: HybridAttentionMetadata,
-                  out_space: str) -> None:
+                  out_space: str, mirror: HiSparseStep | None = None) -> torch.Tensor | None:
         """Pool every window that closed this step (from this step's raw rows and the ring's
-        earlier ones), then keep the rows a later window may read in the ring."""
+        earlier ones), then keep the rows a later window may read in the ring. Returns the new
+        entries [E, D] (None: no window closed). mirror: HiSparse's step, through which the
+        entries reach their space when it is the host mirror."""
         kv, gate = comp.project(x)
         plan = meta.plans[self.plan_kind]
+        entries = None
         if plan.num_entries:
             entries = comp.pool(
                 plan.gather_rows(cache.state_kv, kv), plan.gather_rows(cache.state_gate, gate), plan.row_valid,
                 plan.positions, cache.entries.dtype,
             )
-            self.backend.write(cache.entries, plan.out_slots[out_space], entries)
+            if mirror is not None:
+                write_entries(mirror, cache.entries, plan.out_slots[out_space], entries, self.backend.write)
+            else:
+                self.backend.write(cache.entries, plan.out_slots[out_space], entries)
         # After the pooling: a ring slot written now may still hold a row the pooling read.
         self.backend.write(cache.state_kv, plan.write_slots, kv[plan.write_rows])
         self.backend.write(cache.state_gate, plan.write_slots, gate[plan.write_rows])
+        return entries
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: HybridAttentionMetadata) -> torch.Tensor:
         T, H, D = x.shape[0], self.num_heads, self.head_dim
@@ -125,14 +134,15 @@ class V4Attention(nn.Module):
 
         entry_cache, entry_space, indexer_query, hisparse = None, None, None, None
         if self.layer_type == CSA:
-            self._compress(self.compressor, cache.compressor, x, meta, C4)
+            step = meta.hisparse if cache.hot is not None else None
+            fresh = self._compress(self.compressor, cache.compressor, x, meta, C4, mirror=step)
             self._compress(self.indexer.compressor, cache.indexer, x, meta, INDEXER)
             iq, iw = self.indexer.queries(x, q_latent, positions)
             indexer_query = IndexerQuery(iq, iw, cache.indexer.entries, INDEXER, self.indexer.topk, self.indexer.scale)
             entry_cache, entry_space = cache.compressor.entries, C4
-            if cache.hot is not None and meta.hisparse is not None:
-                hisparse = HiSparseLayer(meta.hisparse, cache.hot_layer, cache.hot)
-                prepare_layer(meta.hisparse, cache.hot_layer, cache.hot, entry_cache, self.backend.swap_in)
+            if step is not None:
+                hisparse = HiSparseLayer(step, cache.hot_layer, cache.hot)
+                prepare_layer(step, cache.hot_layer, cache.hot, entry_cache, fresh, self.backend.swap_in)
         elif self.layer_type == HCA:
             self._compress(self.compressor, cache.compressor, x, meta, C128)
             entry_cache, entry_space = cache.compressor.entries, C128

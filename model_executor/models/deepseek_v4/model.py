@@ -16,11 +16,12 @@ from hybridkv.attention_backends.hybrid_metadata import (
     C4, C128, INDEXER, STATE_C4, STATE_C128, SWA, HybridAttentionMetadata, HybridLayout, build_hybrid_metadata,
     compressor_kinds,
 )
+from hybridkv.attention_backends.hisparse_buffers import HotBuffers
 from hybridkv.attention_backends.hisparse_reads import build_hisparse_step
 from hybridkv.attention_backends.metadata import StepSequences
 from hybridkv.block_manager.kv_plan import KVCacheLayout
 from hybridkv.block_manager.space_spec import SpaceSpec
-from hybridkv.model_executor.huge_pages import kv_pool_on
+from hybridkv.model_executor.huge_pages import host_kv_pool, kv_pool_on
 from hybridkv.model_executor.models.base import CausalLM
 from hybridkv.model_executor.models.deepseek_v4.attention import (
     CompressorCache, V4Attention, V4LayerCache, hybrid_backend,
@@ -81,7 +82,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(V4DecoderLayer(cfg, i, main_rope, compress_rope) for i in range(cfg.num_layers))
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
-        self.hot_buffers = None  # HiSparse HotBuffers, bound by allocate_kv_cache when enabled
+        self.hot_buffers: HotBuffers | None = None  # HiSparse, allocated by allocate_kv_cache when enabled
         self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -149,19 +150,32 @@ class DeepseekV4ForCausalLM(CausalLM):
         taken as pages are written, or with `prefault` on huge pages and touched here), so the null
         page every masked or padded read of the hybrid metadata points at (its slot 0) is zero.
         Returns every tensor of each space (swa; c4/c128 and indexer per layer; state_c4 / state_c128 x2 per
-        compressor), slots on dim -2: a page copy to the host tier must cover all of them."""
+        compressor), slots on dim -2: a page copy to the host tier must cover all of them.
+
+        HiSparse (layout.hot_buffers): the c4 space is in layout.host_spaces, so its pool -- the
+        mirror of every request's C4 history -- is allocated in host memory (pinned for a CUDA
+        device), and each CSA layer gets a hot buffer on `device`, with the HotBuffers bookkeeping
+        there too (auxiliary_kv_tensors). Every other space is on `device`."""
+        device = torch.device(device)
+        shape = layout.hot_buffers
+        if layout.host_spaces - {C4} or (C4 in layout.host_spaces and shape is None):
+            raise ValueError(f"DeepSeek-V4 reads only its c4 space from host memory, through HiSparse's hot buffers "
+                             f"(host spaces {sorted(layout.host_spaces)}, hot buffers {shape})")
         slots = {name: layout.slots(name) for name in layout.specs}
         caches: dict[str, list[torch.Tensor]] = {name: [] for name in layout.specs}
+        pinned = device.type == "cuda" and torch.cuda.is_available()
 
         def pool(space: str, *shape: int, dtype: torch.dtype) -> torch.Tensor:
-            t = kv_pool_on(device, *shape, dtype=dtype, prefault=prefault)
+            if space in layout.host_spaces:
+                t = host_kv_pool(*shape, dtype=dtype, pinned=pinned, prefault=prefault)
+            else:
+                t = kv_pool_on(device, *shape, dtype=dtype, prefault=prefault)
             caches[space].append(t)
             return t
 
         D, cI = self.cfg.head_dim, self.cfg.index_head_dim
         swa = pool(SWA, self.cfg.num_layers, slots[SWA], D, dtype=dtype)
-        # HiSparse: the c4 pool above is the host mirror; each CSA layer gets a device hot buffer.
-        self.hot_buffers = layout.hot_buffers
+        self.hot_buffers = HotBuffers.from_shape(shape, device) if shape is not None else None
         csa_ordinal = 0
         for i, layer in enumerate(self.layers):
             attn = layer.attn
@@ -189,6 +203,14 @@ class DeepseekV4ForCausalLM(CausalLM):
             attn.cache = cache
             attn.backend = hybrid_backend(getattr(backend, "name", None))
         return {name: ts for name, ts in caches.items() if ts}
+
+    def auxiliary_kv_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """HiSparse's device state beyond the spaces' pools: every CSA layer's hot buffer and the
+        HotBuffers bookkeeping, under "hot_buffer" ({} with HiSparse off)."""
+        if self.hot_buffers is None:
+            return {}
+        hot = [layer.attn.cache.hot for layer in self.layers if layer.attn.cache.hot is not None]
+        return {"hot_buffer": hot + self.hot_buffers.tables()}
 
     def build_attention_metadata(
         self, seqs: StepSequences, windows: dict[str, int | None], page_size: int
@@ -218,6 +240,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, positions, meta, input_ids)
+        if meta.hisparse is not None:  # the step's new C4 entries land in the host mirror
+            meta.hisparse.mirror.flush()
         if output_rows is not None:
             streams = streams[output_rows]
         return self.norm(self.hc_head(streams))

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from hybridkv.block_manager.hisparse import NO_ENTRY, HotBuffers
+from hybridkv.attention_backends.hisparse_buffers import NO_ENTRY, HotBuffers
 
 
 class ReferenceLRU:

@@ -1,10 +1,9 @@
-"""HiSparse bookkeeping: per-request hot buffers of C4 entries over a host mirror.
+"""HiSparse's hot buffers: which C4 entry each device buffer slot holds, per request, with LRU.
 
 During decode a CSA layer reads only the lightning indexer's top-k C4 entries, and adjacent
 steps pick mostly the same ones. So with HiSparse the request's full C4 history stays in the
-mirror (the c4 space's pages, held in host memory and charged to the host budget) and each
-decoding request keeps, per CSA layer, a device buffer of `size` entry slots. Per step and
-layer, after the top-k:
+mirror (the c4 space's pool, in host memory) and each decoding request keeps, per CSA layer, a
+device buffer of `size` entry slots. Per step and layer, after the top-k:
 
     hits    selected entries already in the buffer: read where they are;
     misses  each gets the least-recently-used slot that the current selection does not need
@@ -14,11 +13,15 @@ New entries (one per csa_ratio decoded tokens) and, when a request starts decodi
 recent `size` entries go through the same assignment (`insert`), so a history that fits the
 buffer is never copied again: every selection is a hit.
 
+The executor owns this state (the model allocates it from the layout's HotBufferShape, on the
+engine's device) because the forward drives it: the top-k is computed inside each CSA layer.
+The engine only tells it which requests left (`release`) and reads its counters.
+
 This module only decides (which slot holds which entry, what to copy); the model's layers
-execute the copies and read the buffer. Everything is batched tensor work over the rows of a
-step (no per-request Python loop inside a layer): a sort plus a searchsorted per row for the
-hits, one argsort over the LRU clock for the victims -- O(size log size) per row and layer,
-never O(context).
+execute the copies and read the buffer (attention_backends/hisparse_reads.py). Everything is
+batched tensor work over the rows of a step (no per-request Python loop inside a layer): a sort
+plus a searchsorted per row for the hits, one argsort over the LRU clock for the victims --
+O(size log size) per row and layer, never O(context).
 
 Buffer slot 0 is a null slot (zeros, never assigned): every padded or invalid selection reads
 it, as the paged spaces' null page.
@@ -29,7 +32,22 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridkv.block_manager.kv_plan import HotBufferShape
+
 NO_ENTRY = -1
+# Device bytes of the slot tables per buffer slot (entry and last use, int64 each) and per row
+# (the row's lookup and hit counters, int64 each).
+TABLE_BYTES_PER_SLOT = 16
+COUNTER_BYTES_PER_ROW = 16
+
+
+def hot_buffer_bytes(shape: HotBufferShape, entry_bytes: int) -> int:
+    """Every device byte HiSparse's hot buffers take: per CSA layer a buffer tensor of the null
+    slot plus rows x size entries of entry_bytes (one layer's C4 entry), and the slot tables.
+    What the device KV budget pays for them (engine/hisparse_plan.py)."""
+    slots = shape.rows * shape.size
+    return (shape.num_layers * ((1 + slots) * entry_bytes + slots * TABLE_BYTES_PER_SLOT)
+            + shape.rows * COUNTER_BYTES_PER_ROW)
 
 
 @dataclass
@@ -75,6 +93,14 @@ class HotBuffers:
         self._row_counts = torch.zeros(max_requests, 2, dtype=torch.long, device=device)
         self._per_request: dict[str, list[int]] = {}
 
+    @classmethod
+    def from_shape(cls, shape: HotBufferShape, device: torch.device | str) -> "HotBuffers":
+        return cls(shape.num_layers, shape.rows, shape.size, shape.topk, device=device)
+
+    def tables(self) -> list[torch.Tensor]:
+        """The device tensors of the bookkeeping (slot map, LRU stamps, row counters)."""
+        return [self.entry, self.last_use, self._row_counts]
+
     @property
     def num_slots(self) -> int:
         """Slots of one layer's buffer tensor: the null slot plus size per buffer row."""
@@ -100,16 +126,18 @@ class HotBuffers:
         return row
 
     def release(self, request_id: str) -> None:
-        """The request left the device (finished, preempted, aborted): its row is emptied."""
+        """The request left the device (finished, preempted, aborted): its row is emptied. Its
+        counts are folded into its totals unless forget() already dropped them."""
         row = self._rows.pop(request_id, None)
         if row is None:
             return
         self.entry[:, row].fill_(NO_ENTRY)
         self.last_use[:, row].zero_()
-        total = self._per_request[request_id]
-        lookups, hits = self._row_counts[row].tolist()
-        total[0] += lookups
-        total[1] += hits
+        total = self._per_request.get(request_id)
+        if total is not None:
+            lookups, hits = self._row_counts[row].tolist()
+            total[0] += lookups
+            total[1] += hits
         self._row_counts[row].zero_()
         self._free.append(row)
 
