@@ -119,11 +119,22 @@ class KeySet:
         self.slots_per_page = slots_per_page
         self._length = slots.shape[-1] if slots is not None else length
 
+    def to(self, device: torch.device, non_blocking: bool = False) -> "KeySet":
+        """The same key set with every tensor on `device` (metadata is built on the host)."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        if self.pages is not None:
+            return KeySet(None, move(self.explicit_mask), move(self.visible), pages=move(self.pages),
+                          slots_per_page=self.slots_per_page, length=self._length)
+        return KeySet(move(self._slots), move(self.explicit_mask), move(self.visible))
+
     @property
     def slots(self) -> torch.Tensor:
         """[L] or [n, L] slot of every column; columns a query may not read are the null slot."""
         if self._slots is None:
-            self._slots = self.slots_of(torch.arange(self._length).expand(self.pages.shape[0], self._length))
+            columns = torch.arange(self._length, device=self.pages.device)
+            self._slots = self.slots_of(columns.expand(self.pages.shape[0], self._length))
         return self._slots
 
     def slots_of(self, idx: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from hybridkv.attention_backends.hybrid_metadata import KeySet
 from hybridkv.attention_backends.metadata import StepSequences
 from hybridkv.attention_backends.cpu_kernels.build import prebuild
 from hybridkv.attention_backends.hisparse_buffers import HotBuffers
@@ -455,8 +456,11 @@ class ModelRunner:
 
 
 def _to_device(obj, device: torch.device):
-    """Metadata is built on the host; move every tensor in it (dataclasses, lists, dicts)."""
+    """Metadata is built on the host; move every tensor in it (dataclasses, key sets, lists,
+    tuples, dicts)."""
     if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, KeySet):  # a plain class (its slots are built lazily): it moves itself
         return obj.to(device, non_blocking=True)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.replace(
@@ -464,6 +468,8 @@ def _to_device(obj, device: torch.device):
         )
     if isinstance(obj, list):
         return [_to_device(x, device) for x in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_device(x, device) for x in obj)
     if isinstance(obj, dict):
         return {k: _to_device(v, device) for k, v in obj.items()}
     return obj

@@ -204,3 +204,55 @@ def test_32k_context_at_128_mib_fits_the_device_budget_and_holds_5x_the_batch(tm
     assert _tokens(on, prompts, out) == _tokens(off, prompts, out)
     print(f"device KV bytes allocated {allocated} of {budget}; decode batch off {batch_off}, on {batch_on} "
           f"({batch_on / batch_off:.2f}x)")
+
+
+def _tensors_in(obj, seen=None):
+    """Every tensor reachable from a step's metadata (dataclasses, key sets, lists, tuples, dicts)."""
+    import dataclasses
+
+    from hybridkv.attention_backends.hybrid_metadata import KeySet
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, KeySet):
+        for t in (obj._slots, obj.explicit_mask, obj.visible, obj.pages):
+            if t is not None:
+                yield t
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors_in(getattr(obj, f.name), seen)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors_in(x, seen)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors_in(x, seen)
+
+
+def test_a_steps_metadata_moves_to_the_engines_device_whole(v4_path):
+    """What a CUDA engine's forward reads of a step's metadata is on the device: the runner's move
+    of the host-built metadata reaches every tensor, in key sets and compression plans too (the
+    meta device stands in for CUDA), for prefill and decode steps with HiSparse on."""
+    from hybridkv.model_executor.model_runner import _to_device
+
+    llm = LLM(v4_path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 16}, **KW)
+    model = llm.engine.runner.model
+    metas = []
+    build = model.build_attention_metadata
+
+    def capture(*args, **kwargs):
+        metas.append(build(*args, **kwargs))
+        return metas[-1]
+
+    model.build_attention_metadata = capture
+    _tokens(llm, _prompts([70, 150]), max_tokens=6)
+    assert len(metas) >= 6, "the run did not build prefill and decode metadata"
+    for meta in metas:
+        moved = list(_tensors_in(_to_device(meta, torch.device("meta"))))
+        assert moved, "no tensor found in the metadata"
+        left = [tuple(t.shape) for t in moved if t.device.type != "meta"]
+        assert not left, f"metadata tensors left on the host after the move to the device: {left[:5]}"
