@@ -44,7 +44,9 @@ setup(
         # The storage tier's Redis backend (hicache_storage_backend="redis"); the default file
         # backend needs nothing. Tests run it against a real redis-server, so test pulls it too.
         "redis": ["redis>=5", "hiredis"],
-        "test": ["pytest", "hypothesis", "openai", "prometheus-client", "redis>=5", "hiredis"],
+        # sglang-router: the fleet tests put SGLang's cache-aware router (a Rust binary) in front
+        # of real servers.
+        "test": ["pytest", "hypothesis", "openai", "prometheus-client", "redis>=5", "hiredis", "sglang-router"],
         "gpu": ["triton", "xformers"],
     },
     entry_points={"console_scripts": ["hybridkv=hybridkv.entrypoints.cli:main"]},

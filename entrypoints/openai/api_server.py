@@ -54,9 +54,11 @@ from hybridkv.entrypoints.openai.gc_pauses import GcPauses, freeze_startup_heap
 from hybridkv.entrypoints.openai.json_body import parse_json_body
 from hybridkv.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hybridkv.entrypoints.openai.metrics import ServerMetrics
+from hybridkv.entrypoints.openai.http2_probe import Http1Only
 from hybridkv.entrypoints.openai.serving_base import DEFAULT_MAX_SEQS_PER_REQUEST, ServingContext, longest_token_bytes
 from hybridkv.entrypoints.openai.serving_chat import ChatServing
 from hybridkv.entrypoints.openai.serving_completion import CompletionServing
+from hybridkv.entrypoints.openai.serving_native import NativeServing
 from hybridkv.entrypoints.openai.serving_tokenization import TokenizationServing
 from hybridkv.model_executor.tokenizer import load_tokenizer
 
@@ -199,6 +201,7 @@ class _Routes:
         self.completions = CompletionServing(ctx)
         self.chat = ChatServing(ctx)
         self.tokenization = TokenizationServing(ctx)
+        self.native = NativeServing(ctx)
 
     async def create_completion(self, request: web.Request) -> web.StreamResponse:
         return await self.completions.create(request, await read_json(request))
@@ -239,6 +242,18 @@ class _Routes:
 
     async def version(self, request: web.Request) -> web.StreamResponse:
         return web.json_response({"version": server_version()})
+
+    async def model_info(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response(self.native.model_info())
+
+    async def server_info(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response(self.native.server_info())
+
+    async def flush_cache(self, request: web.Request) -> web.StreamResponse:
+        return await self.native.flush_cache()
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        return await self.native.generate(request, await read_json(request))
 
 
 def build_app(engine: AsyncLLMEngine, settings: ServerSettings | None = None) -> web.Application:
@@ -284,6 +299,13 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings | None = None) ->
         web.get("/health", r.health),
         web.get("/metrics", r.metrics),
         web.get("/version", r.version),
+        # SGLang's native API (serving_native.py): its router's probes, /flush_cache, /generate.
+        web.get("/get_model_info", r.model_info),
+        web.get("/model_info", r.model_info),
+        web.get("/get_server_info", r.server_info),
+        web.get("/server_info", r.server_info),
+        web.post("/flush_cache", r.flush_cache),
+        web.post("/generate", r.generate),
     ])
 
     async def stop_engine(app: web.Application) -> None:
@@ -347,7 +369,7 @@ class LimitedTCPSite(web.BaseSite):
 
         def protocol() -> asyncio.BaseProtocol:
             if len(server.connections) < self._max_connections:
-                return server()
+                return Http1Only(server())
             if loop.time() - self._last_warning >= self._WARN_EVERY_S:
                 self._last_warning = loop.time()
                 logger.warning("refusing connections: %d are open (max_connections)", self._max_connections)

@@ -3,7 +3,8 @@
 Field names are OpenAI's, plus vLLM's extras (top_k, min_p, repetition_penalty, ignore_eos,
 min_tokens, stop_token_ids, skip_special_tokens, spaces_between_special_tokens,
 include_stop_str_in_output, cache_salt, return_token_ids) which clients send through
-`extra_body`. Every check names the offending field in `param` and says what was expected, in
+`extra_body`, and the fields SGLang's router adds to what it forwards (no_stop_trim, honoured as
+include_stop_str_in_output; separate_reasoning, stream_reasoning, return_hidden_states=false). Every check names the offending field in `param` and says what was expected, in
 OpenAI's wording ("Invalid type for 'n': expected an integer, but got a string instead.").
 
 Unknown top-level fields are rejected (400, "Unrecognized request argument supplied: x"), as
@@ -184,6 +185,8 @@ class SamplingFields:
     @classmethod
     def read(cls, b: _Body) -> "SamplingFields":
         n = b.int("n", 1, lo=1, hi=MAX_N)
+        # SGLang's name for include_stop_str_in_output (its router adds it to every request).
+        no_stop_trim = b.bool("no_stop_trim", False)
         return cls(
             n=n,
             temperature=b.float("temperature", None, lambda v: v >= 0, ">= 0"),
@@ -201,7 +204,7 @@ class SamplingFields:
             min_tokens=b.int("min_tokens", 0, lo=0),
             skip_special_tokens=b.bool("skip_special_tokens", True),
             spaces_between_special_tokens=b.bool("spaces_between_special_tokens", True),
-            include_stop_str_in_output=b.bool("include_stop_str_in_output", False),
+            include_stop_str_in_output=b.bool("include_stop_str_in_output", no_stop_trim),
         )
 
     def to_params(
@@ -278,6 +281,15 @@ def _read_common(b: _Body) -> dict[str, Any]:
     )
 
 
+def _sglang_fields(b: _Body) -> None:
+    """Fields SGLang's router (sglang-router) adds to what it forwards: accepted at their values
+    that mean nothing here. Without a reasoning parser there is no reasoning to separate or
+    stream apart, so separate_reasoning / stream_reasoning change nothing (as in SGLang)."""
+    b.bool("separate_reasoning")
+    b.bool("stream_reasoning")
+    b.off("return_hidden_states", lambda v: v is False, "hidden states are not returned")
+
+
 def _no_logit_bias(b: _Body) -> None:
     b.off("logit_bias", lambda v: v == {}, "logit_bias is not implemented")
 
@@ -317,6 +329,7 @@ class CompletionRequest:
         b.off("best_of", lambda v: v == req.sampling.n, "best_of is not implemented; use n")
         b.off("suffix", lambda v: v == "", "suffix (insertion) is not implemented")
         _no_logit_bias(b)
+        _sglang_fields(b)
         b.ignore("user")
         b.finish()
         return req
@@ -385,6 +398,7 @@ class ChatCompletionRequest:
             **common,
         )
         _no_logit_bias(b)
+        _sglang_fields(b)
         b.off("tools", lambda v: v == [], "tool calling is not implemented")
         b.off("tool_choice", lambda v: v == "none", "tool calling is not implemented")
         b.off("functions", lambda v: v == [], "function calling is not implemented")
