@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Hashable, Protocol, Sequence
 from hybridkv.block_manager.kv_plan import TierTransfers
 from hybridkv.block_manager.page_keys import next_chain, root_chain, storage_key
 from hybridkv.block_manager.storage import page_record
-from hybridkv.block_manager.storage.backend import StorageBackend
+from hybridkv.block_manager.storage.backend import RateLimitedWarnings, StorageBackend
 from hybridkv.block_manager.storage.kv_fingerprint import KVFingerprint
 
 if TYPE_CHECKING:
@@ -112,6 +112,7 @@ class StorageTier:
         self.whole = [n for n, s in kv.specs.items() if not s.windowed]
         self.windowed = [n for n, s in kv.specs.items() if s.windowed]
         self.stats = StorageTierStats()
+        self._warnings = RateLimitedWarnings(logger)
         self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridkv-storage")
         self._prefetches: dict[str, _Prefetch] = {}
         self._pending_writes: list[concurrent.futures.Future] = []
@@ -183,12 +184,15 @@ class StorageTier:
                 self._start(request_id, token_ids, namespace, m.nodes, max_pages)
         return not self.blocks(request_id)
 
-    def _decode(self, space: str, blob: bytes | None) -> bytes | None:
+    def _decode(self, space: str, blob: bytes | None, key: str) -> bytes | None:
         if blob is None:
             return None
         payload = page_record.decode(blob, self.fp.spaces[space], space)
         if payload is None or len(payload) != self.host_cache.bytes_per_page[space]:
             self.stats.corrupt_values += 1
+            # Rate-limited: a store full of another configuration's pages must not flood the log.
+            self._warnings.warn("corrupt", f"hicache storage: value of key {key} rejected (header, "
+                                           f"fingerprint or checksum mismatch, or wrong size): read as a miss")
             return None
         return payload
 
@@ -203,7 +207,7 @@ class StorageTier:
         blobs = self.backend.get(keys[: n * len(lead)])
         pages: dict[str, list[bytes | None]] = {s: [] for s in lead}
         for j in range(n):
-            row = [self._decode(s, blobs[j * len(lead) + k]) for k, s in enumerate(lead)]
+            row = [self._decode(s, blobs[j * len(lead) + k], keys[j * len(lead) + k]) for k, s in enumerate(lead)]
             if any(r is None for r in row):
                 n = j
                 break
@@ -222,7 +226,8 @@ class StorageTier:
             for s in self.windowed:
                 lo = max(first_page, self.kv.index.first_window_page(s, end))
                 idx = list(range(lo - first_page, n))
-                vals = [self._decode(s, b) for b in self.backend.get([storage_key(chains[j], s) for j in idx])]
+                wkeys = [storage_key(chains[j], s) for j in idx]
+                vals = [self._decode(s, b, k) for b, k in zip(self.backend.get(wkeys), wkeys)]
                 if any(v is None for v in vals):
                     ok = False
                     break

@@ -46,13 +46,17 @@ class StorageStats:
 
     `errors` counts operations that failed for I/O trouble: one per key of a get or put that
     failed, one per exists call that could not answer. A failed get key is also a miss, a failed
-    put key also a dropped write, so hits + misses == keys asked by get.
+    put key also a dropped write, so hits + misses == keys asked by get. A lookup is a key an
+    exists call asked about: found (exists_keys_found) or missing (exists_keys_missing: absent,
+    evicted, after the chain's first hole, or the store did not answer) -- the misses a reader
+    sees before it ever calls get.
     """
 
     exists_calls: int = 0
     get_calls: int = 0
     put_calls: int = 0
     exists_keys_found: int = 0  # sum of what exists() returned
+    exists_keys_missing: int = 0  # keys asked by exists() and not found
     hits: int = 0  # get keys that returned a value
     misses: int = 0  # get keys that returned None: absent, evicted, or unreadable
     keys_written: int = 0  # put keys stored
@@ -175,6 +179,7 @@ class StorageBackend(ABC):
         with self._stats_lock:
             self.stats.exists_calls += 1
             self.stats.exists_keys_found += found
+            self.stats.exists_keys_missing += len(keys) - found
             self.stats.exists_seconds += time.perf_counter() - started
         return found
 

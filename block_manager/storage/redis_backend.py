@@ -12,8 +12,10 @@ or change an output:
 - A lost connection is retried once at once (a connection that a server restart closed is
   only found stale when used; the reconnect is cheap, or refused at once). A timeout is never
   retried: that would multiply the bound.
-- Any redis error becomes misses / dropped writes, counted in stats.errors, and a rate-limited
-  warning. After a connection error or a timeout the backend answers without I/O for
+- Any redis error becomes misses / dropped writes, counted in stats.errors. An unreachable
+  server is logged once when it goes down and once when it answers again (an operator sees the
+  outage's start and end, not a line per call); other errors are rate-limited warnings. After a
+  connection error or a timeout the backend answers without I/O for
   down_backoff_s (counted in stats.skipped_calls), so a hung server costs one timeout per
   interval rather than one per call of the prefetch and write threads; the first call after
   that interval reconnects.
@@ -22,6 +24,7 @@ or change an output:
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
@@ -33,6 +36,7 @@ from redis.retry import Retry
 from hybridkv.block_manager.storage.backend import StorageBackend, require_number
 
 ResultT = TypeVar("ResultT")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class RedisStorageBackend(StorageBackend):
         pool.connection_kwargs["decode_responses"] = False
         self._client = redis.Redis(connection_pool=pool)
         self._down_until = 0.0  # time.monotonic() before which calls skip the server
+        self._reachable = True  # the last round trip's outcome: a change is logged once
         # An early warning when the server is not there; serving starts anyway (all misses).
         self._call("connect", 0, self._client.ping, None)
 
@@ -131,16 +136,22 @@ class RedisStorageBackend(StorageBackend):
             self._count("skipped_calls")
             return fallback
         try:
-            return action()
+            result = action()
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
             self._down_until = time.monotonic() + self.config.down_backoff_s
-            self._record_error(
-                "unreachable",
-                f"redis {self._safe_url()} unreachable during {op} ({type(exc).__name__}: {exc}); misses until it answers",
-                count=max(1, keys_affected),
-            )
+            with self._stats_lock:
+                self.stats.errors += max(1, keys_affected)
+            if self._reachable:  # logged once per outage (the errors count every failed call)
+                self._reachable = False
+                logger.warning("hicache storage (redis): %s is down (%s during %s: %s); reads miss and writes are "
+                               "dropped until it answers", self._safe_url(), type(exc).__name__, op, exc)
         except redis.RedisError as exc:
             self._record_error(op, f"redis {op} failed: {type(exc).__name__}: {exc}", count=max(1, keys_affected))
+        else:
+            if not self._reachable:
+                self._reachable = True
+                logger.warning("hicache storage (redis): %s answers again; reads and writes resume", self._safe_url())
+            return result
         return fallback
 
     def _safe_url(self) -> str:

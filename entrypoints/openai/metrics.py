@@ -130,6 +130,9 @@ class _EngineCollector(Collector):
             yield counter("storage_writes_dropped", "Pages not written (queue full or failed put).",
                           st["writes_dropped"])
             for key, doc in (("hits", "Keys the store returned."), ("misses", "Keys the store did not have."),
+                             ("exists_keys_found", "Pages a lookup found in the store."),
+                             ("exists_keys_missing", "Pages a lookup did not find (absent, evicted, or the store "
+                                                     "did not answer)."),
                              ("errors", "Store operations that failed (counted as misses or dropped writes)."),
                              ("bytes_read", "Bytes read from the store."), ("bytes_written", "Bytes written to the store."),
                              ("get_seconds", "Seconds in store reads."), ("put_seconds", "Seconds in store writes.")):

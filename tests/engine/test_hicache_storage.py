@@ -16,6 +16,8 @@ Invariants checked:
 """
 from __future__ import annotations
 
+import logging
+
 import os
 import time
 
@@ -377,7 +379,7 @@ def test_another_configuration_on_the_same_redis_gets_no_hits(tiny_ckpt, redis_s
     assert other.engine.storage.backend.stats.errors == 0
 
 
-def test_a_corrupted_redis_value_is_a_miss_and_the_output_is_unchanged(tiny_ckpt, redis_server):
+def test_a_corrupted_redis_value_is_a_miss_and_the_output_is_unchanged(tiny_ckpt, redis_server, caplog):
     """Flip one byte of one stored value inside Redis itself: the read of that page is a miss
     (counted), the hit stops before it, and the tokens are those of the no-cache run."""
     import redis
@@ -397,9 +399,12 @@ def test_a_corrupted_redis_value_is_a_miss_and_the_output_is_unchanged(tiny_ckpt
     client.set(victim, bytes(value))
     client.close()
     second = _redis_llm(path, redis_server.url)
-    out = run_one(second, prompt, 6)
+    with caplog.at_level(logging.WARNING, logger="hybridkv.block_manager"):
+        out = run_one(second, prompt, 6)
     assert out.num_cached_tokens < 96, "a corrupted Redis value was served"
     assert second.engine.storage.stats.corrupt_values == 1, "the corrupted value was not counted"
+    logged = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
+    assert len(logged) == 1 and victim.decode().split(":", 1)[1] in logged[0], f"the key was not logged: {logged}"
     _same(out, want)
 
 

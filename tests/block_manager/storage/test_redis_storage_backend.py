@@ -96,13 +96,20 @@ def test_killed_server_gives_bounded_misses_then_hits_after_restart(redis_server
         backend.get([key(1)])
     errors_while_down = backend.stats_snapshot().errors
     assert errors_while_down == 1 + 2 + 1 + 50, f"every failed key / call must be counted as an error, got {errors_while_down}"
-    assert len(caplog.records) == 1, f"a dead server must log a rate-limited warning, not {len(caplog.records)} lines"
+    assert len(caplog.records) == 1, f"an outage must be logged once, not in {len(caplog.records)} lines"
+    assert "is down" in caplog.records[0].getMessage()
 
     redis_server.start()  # same port, empty: no persistence
     assert backend.put([key(4)], [b"after"]) == 1, "after a restart the next put must reconnect and store"
+    assert len(caplog.records) == 2 and "answers again" in caplog.records[1].getMessage(), (
+        "the server coming back must be logged once")
     assert backend.get([key(4), key(1)]) == [b"after", None], "after a restart new puts hit; the lost data misses"
-    assert backend.exists([key(4)]) == 1, "exists works again after the restart"
+    missing = backend.stats_snapshot().exists_keys_missing
+    assert backend.exists([key(4), key(1), key(5)]) == 1, "exists works again after the restart"
+    assert backend.stats_snapshot().exists_keys_missing == missing + 2, (
+        "keys a lookup did not find (the restart lost them) are counted as lookup misses")
     assert backend.stats_snapshot().errors == errors_while_down, "calls after the restart must not count errors"
+    assert len(caplog.records) == 2, "nothing more is logged while the server answers"
 
 
 def test_hung_server_calls_are_bounded_by_the_timeout(redis_server):
