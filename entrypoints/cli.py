@@ -280,6 +280,19 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fleet(args: argparse.Namespace) -> int:
+    from hybridkv.entrypoints.fleet import Fleet
+
+    serve_args = list(args.serve_args)
+    if serve_args[:1] == ["--"]:
+        serve_args = serve_args[1:]
+    fleet = Fleet(args.model_tag, args.replicas, args.port, args.host, args.policy, args.redis_url, serve_args)
+    fleet.start()
+    logging.getLogger("hybridkv.fleet").info("serving at %s/v1 through the router; Ctrl-C stops every process",
+                                             fleet.url)
+    return fleet.run_until_signal()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridkv", description="hybridkv: hybrid-attention LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -320,6 +333,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--disable-access-log", action="store_true", help="do not log one line per HTTP request")
     add_engine_args(s)
     s.set_defaults(func=_serve)
+
+    f = sub.add_parser("fleet", help="several `serve` replicas sharing a Redis storage tier behind sglang-router",
+                       description="Start N `hybridkv serve` replicas on free loopback ports with the Redis storage "
+                                   "tier, and SGLang's router in front of them on --port; stop them all on Ctrl-C. "
+                                   "Flags after `--` go to every replica's `hybridkv serve`.")
+    f.add_argument("model_tag", nargs="?", default=None, help="HF checkpoint folder (default: the demo model)")
+    f.add_argument("--replicas", type=int, default=2)
+    f.add_argument("--host", default="127.0.0.1", help="the router's bind address (default: loopback only)")
+    f.add_argument("--port", type=int, default=8000, help="the router's port")
+    f.add_argument("--policy", default="cache_aware", choices=["cache_aware", "round_robin", "power_of_two", "random"],
+                   help="the router's policy (default: cache_aware)")
+    f.add_argument("--redis-url", default=None,
+                   help="a shared Redis for the storage tier (default: start a private redis-server)")
+    f.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then flags for every replica's `serve`")
+    f.set_defaults(func=_fleet)
     return parser
 
 

@@ -110,8 +110,9 @@ class NativeServing:
     # -- probes ------------------------------------------------------------------------------------
     def model_info(self) -> dict:
         ctx, config = self.ctx, self.ctx.engine.config
-        # The served name, not the checkpoint's path (which would show the server's disk layout).
-        return {"model_path": ctx.model_name, "tokenizer_path": None, "served_model_name": ctx.model_name,
+        # No path: it would show the server's disk layout, and a router given a name instead tries
+        # to fetch that name's tokenizer from the Hugging Face hub.
+        return {"model_path": None, "tokenizer_path": None, "served_model_name": ctx.model_name,
                 "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
                 "has_image_understanding": False, "has_audio_understanding": False,
                 "max_model_len": ctx.max_model_len, "dtype": config.dtype if isinstance(config.dtype, str) else
@@ -122,7 +123,7 @@ class NativeServing:
 
         ctx, config = self.ctx, self.ctx.engine.config
         snap = ctx.engine.snapshot()
-        return {"served_model_name": ctx.model_name, "model_path": ctx.model_name, "version": server_version(),
+        return {"served_model_name": ctx.model_name, "model_path": None, "version": server_version(),
                 "engine": "hybridkv", "context_length": ctx.max_model_len,
                 "max_running_requests": config.max_num_seqs, "page_size": config.block_size,
                 "enable_prefix_caching": config.enable_prefix_caching,

@@ -151,110 +151,110 @@ def test_one_client_cannot_stall_the_others():
     near_limit_body = json.dumps({"prompt": "hello " * 1398000, "max_tokens": 1}).encode()
     long_prompt_body = json.dumps({"prompt": [(37 * i) % 40000 + 100 for i in range(8000)], "max_tokens": 1}).encode()
     srv = _Server()
-    stream, health = _Stream(srv), _HealthProbe(srv)
-    try:
-        stream.start()
-        while len(stream.times) < 5:
-            assert stream.error is None and stream.is_alive(), f"stream failed: {stream.error}"
-            time.sleep(0.05)
-        # The machine's speed: the stream's gaps alone, before any abuse.
-        while len(stream.times) < 35:
-            assert stream.error is None and stream.is_alive(), f"stream failed: {stream.error}"
-            time.sleep(0.05)
-        quiet = statistics.median(stream.gaps(stream.times[4]))
-        slowdown = max(1.0, quiet / REFERENCE_QUIET_GAP_S)
-        health.start()
-        t0 = time.monotonic()
-        phases: dict[str, float] = {}
+    try:  # any failure still stops the server subprocess (no process outlives the test)
+        stream, health = _Stream(srv), _HealthProbe(srv)
+        try:
+            stream.start()
+            while len(stream.times) < 5:
+                assert stream.error is None and stream.is_alive(), f"stream failed: {stream.error}"
+                time.sleep(0.05)
+            # The machine's speed: the stream's gaps alone, before any abuse.
+            while len(stream.times) < 35:
+                assert stream.error is None and stream.is_alive(), f"stream failed: {stream.error}"
+                time.sleep(0.05)
+            quiet = statistics.median(stream.gaps(stream.times[4]))
+            slowdown = max(1.0, quiet / REFERENCE_QUIET_GAP_S)
+            health.start()
+            t0 = time.monotonic()
+            phases: dict[str, float] = {}
 
-        def phase(name: str) -> None:
-            phases[name] = time.monotonic()
+            def phase(name: str) -> None:
+                phases[name] = time.monotonic()
 
-        # 1. A fan-out over the per-request cap (1,024 prompts x n=128) is refused outright.
-        phase("fan-out over cap")
-        status, _, body = srv.post("/v1/completions", {"prompt": ["hi"] * 1024, "n": 128, "max_tokens": 1})
-        assert status == 400 and body["error"]["param"] == "n", body
+            # 1. A fan-out over the per-request cap (1,024 prompts x n=128) is refused outright.
+            phase("fan-out over cap")
+            status, _, body = srv.post("/v1/completions", {"prompt": ["hi"] * 1024, "n": 128, "max_tokens": 1})
+            assert status == 400 and body["error"]["param"] == "n", body
 
-        # 2. A fan-out within it is served; while it waits, the queue is full for others (503).
-        phase("fan-out within cap")
-        result: dict = {}
-        fan = threading.Thread(target=lambda: result.update(
-            r=srv.post("/v1/completions", {"prompt": ["hi"] * 1024, "max_tokens": 1})))
-        fan.start()
-        deadline = time.monotonic() + 60
-        while _metric(srv.metrics(), "hybridkv:num_requests_waiting") <= MAX_QUEUED:
-            assert time.monotonic() < deadline and fan.is_alive(), "the fan-out never filled the queue"
-            time.sleep(0.02)
-        status, headers, body = srv.post("/v1/completions", {"prompt": "hello", "max_tokens": 1})
-        assert status == 503 and int(headers["Retry-After"]) >= 1, (status, body)
-        assert body["error"]["type"] == "ServiceUnavailableError"
-        fan.join(300)
-        assert result["r"][0] == 200 and len(result["r"][2]["choices"]) == 1024
+            # 2. A fan-out within it is served; while it waits, the queue is full for others (503).
+            phase("fan-out within cap")
+            result: dict = {}
+            fan = threading.Thread(target=lambda: result.update(
+                r=srv.post("/v1/completions", {"prompt": ["hi"] * 1024, "max_tokens": 1})))
+            fan.start()
+            deadline = time.monotonic() + 60
+            while _metric(srv.metrics(), "hybridkv:num_requests_waiting") <= MAX_QUEUED:
+                assert time.monotonic() < deadline and fan.is_alive(), "the fan-out never filled the queue"
+                time.sleep(0.02)
+            status, headers, body = srv.post("/v1/completions", {"prompt": "hello", "max_tokens": 1})
+            assert status == 503 and int(headers["Retry-After"]) >= 1, (status, body)
+            assert body["error"]["type"] == "ServiceUnavailableError"
+            fan.join(300)
+            assert result["r"][0] == 200 and len(result["r"][2]["choices"]) == 1024
 
-        # 3. An 8,000-token prompt is prefilled in chunks between the stream's tokens.
-        phase("8k-token prompt")
-        # Beside a stream it prefills a few tokens per step late in the prompt: 200-300 s here.
-        status, _, body = srv.post("/v1/completions", long_prompt_body, timeout=1200)
-        assert status == 200 and body["usage"]["prompt_tokens"] == 8000, body
+            # 3. An 8,000-token prompt is prefilled in chunks between the stream's tokens.
+            phase("8k-token prompt")
+            # Beside a stream it prefills a few tokens per step late in the prompt: 200-300 s here.
+            status, _, body = srv.post("/v1/completions", long_prompt_body, timeout=1200)
+            assert status == 200 and body["usage"]["prompt_tokens"] == 8000, body
 
-        # 4. A body just under the 8 MiB limit: refused (it cannot fit the context) without stalling anyone.
-        phase("near-limit body")
-        status, _, body = srv.post("/v1/completions", near_limit_body)
-        assert status == 400 and body["error"]["param"] == "prompt", body
+            # 4. A body just under the 8 MiB limit: refused (it cannot fit the context) without stalling anyone.
+            phase("near-limit body")
+            status, _, body = srv.post("/v1/completions", near_limit_body)
+            assert status == 400 and body["error"]["param"] == "prompt", body
 
-        # 5. A Content-Length far over the limit is refused at once (413), not waited for.
-        phase("huge Content-Length")
-        reply, first = _raw(srv.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                            b"\r\nContent-Length: 9223372036854775807\r\n\r\n{}", wait=15)
-        assert reply.startswith(b"HTTP/1.1 413") and first < 1, (first, reply[:200])
+            # 5. A Content-Length far over the limit is refused at once (413), not waited for.
+            phase("huge Content-Length")
+            reply, first = _raw(srv.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                                b"\r\nContent-Length: 9223372036854775807\r\n\r\n{}", wait=15)
+            assert reply.startswith(b"HTTP/1.1 413") and first < 1, (first, reply[:200])
 
-        # 6. Half-sent bodies (408 after the body timeout) and a half-sent header (closed).
-        phase("slow clients")
-        replies: list[bytes] = []
-        slow = [threading.Thread(target=lambda: replies.append(_raw(
-            srv.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: 1000\r\n\r\n{\"prompt\": ", wait=20)[0])) for _ in range(16)]
-        slow.append(threading.Thread(target=lambda: replies.append(_raw(srv.port, b"POST /v1/compl", wait=20)[0])))
-        for th in slow:
-            th.start()
-        for th in slow:
-            th.join(60)
-        assert len(replies) == 17 and b"<open>" not in replies, "a slow client was held open"
-        assert sum(r.startswith(b"HTTP/1.1 408") for r in replies) == 16, replies[:2]
-        phase("end")
+            # 6. Half-sent bodies (408 after the body timeout) and a half-sent header (closed).
+            phase("slow clients")
+            replies: list[bytes] = []
+            slow = [threading.Thread(target=lambda: replies.append(_raw(
+                srv.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 1000\r\n\r\n{\"prompt\": ", wait=20)[0])) for _ in range(16)]
+            slow.append(threading.Thread(target=lambda: replies.append(_raw(srv.port, b"POST /v1/compl", wait=20)[0])))
+            for th in slow:
+                th.start()
+            for th in slow:
+                th.join(60)
+            assert len(replies) == 17 and b"<open>" not in replies, "a slow client was held open"
+            assert sum(r.startswith(b"HTTP/1.1 408") for r in replies) == 16, replies[:2]
+            phase("end")
 
-        gaps = stream.gaps(t0)
-        gap, p99 = gaps[-1], gaps[int(0.99 * (len(gaps) - 1))]
-        health_worst = max(health.latencies)
-        names = list(phases)
-        for a, b in zip(names, names[1:]):
-            ts = [x for x in stream.times if phases[a] <= x < phases[b]]
-            g = max((q - p for p, q in zip(ts, ts[1:])), default=0.0)
-            print(f"{a}: {phases[b] - phases[a]:.1f} s, {len(ts)} stream tokens, longest gap {g:.3f} s")
-        m = srv.metrics()
-        gc_runs = {k: v for k, v in m.items() if k.startswith("hybridkv:gc_collections_total")}
-        full_gcs = sum(v for k, v in gc_runs.items() if 'generation="2"' in k)
-        print(f"server: {sum(gc_runs.values()):.0f} garbage collections ({full_gcs:.0f} full), longest pause "
-              f"{_metric(m, 'hybridkv:gc_longest_pause_seconds') * 1000:.0f} ms")
-        print(f"stream: quiet gap {quiet:.3f} s (machine {slowdown:.2f}x the reference's); under abuse longest "
-              f"gap {gap:.3f} s, p99 {p99:.3f} s, {sum(g > 0.5 for g in gaps)} gaps over 0.5 s, "
-              f"over {len(stream.times)} tokens; /health worst "
-              f"{health_worst * 1000:.0f} ms over {len(health.latencies)} probes")
-        assert stream.error is None and stream.is_alive(), f"the open stream failed: {stream.error}"
-        assert p99 <= STREAM_GAP_P99_BOUND_S * slowdown, (
-            f"the open stream's p99 gap is {p99:.3f} s (bound {STREAM_GAP_P99_BOUND_S} s x {slowdown:.2f})")
-        assert gap <= STREAM_GAP_BOUND_S * slowdown, (
-            f"the open stream stalled for {gap:.3f} s (bound {STREAM_GAP_BOUND_S} s x {slowdown:.2f})")
-        assert health_worst <= HEALTH_BOUND_S, f"/health took {health_worst * 1000:.0f} ms"
+            gaps = stream.gaps(t0)
+            gap, p99 = gaps[-1], gaps[int(0.99 * (len(gaps) - 1))]
+            health_worst = max(health.latencies)
+            names = list(phases)
+            for a, b in zip(names, names[1:]):
+                ts = [x for x in stream.times if phases[a] <= x < phases[b]]
+                g = max((q - p for p, q in zip(ts, ts[1:])), default=0.0)
+                print(f"{a}: {phases[b] - phases[a]:.1f} s, {len(ts)} stream tokens, longest gap {g:.3f} s")
+            m = srv.metrics()
+            gc_runs = {k: v for k, v in m.items() if k.startswith("hybridkv:gc_collections_total")}
+            full_gcs = sum(v for k, v in gc_runs.items() if 'generation="2"' in k)
+            print(f"server: {sum(gc_runs.values()):.0f} garbage collections ({full_gcs:.0f} full), longest pause "
+                  f"{_metric(m, 'hybridkv:gc_longest_pause_seconds') * 1000:.0f} ms")
+            print(f"stream: quiet gap {quiet:.3f} s (machine {slowdown:.2f}x the reference's); under abuse longest "
+                  f"gap {gap:.3f} s, p99 {p99:.3f} s, {sum(g > 0.5 for g in gaps)} gaps over 0.5 s, "
+                  f"over {len(stream.times)} tokens; /health worst "
+                  f"{health_worst * 1000:.0f} ms over {len(health.latencies)} probes")
+            assert stream.error is None and stream.is_alive(), f"the open stream failed: {stream.error}"
+            assert p99 <= STREAM_GAP_P99_BOUND_S * slowdown, (
+                f"the open stream's p99 gap is {p99:.3f} s (bound {STREAM_GAP_P99_BOUND_S} s x {slowdown:.2f})")
+            assert gap <= STREAM_GAP_BOUND_S * slowdown, (
+                f"the open stream stalled for {gap:.3f} s (bound {STREAM_GAP_BOUND_S} s x {slowdown:.2f})")
+            assert health_worst <= HEALTH_BOUND_S, f"/health took {health_worst * 1000:.0f} ms"
 
-        # Afterwards: a normal request is served, and nothing is left in use once the stream ends.
-        status, _, body = srv.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4})
-        assert status == 200 and body["choices"][0]["text"]
-    finally:
-        stream.stop.set()
-        health.stop.set()
-        health.join(30)
-    try:
+            # Afterwards: a normal request is served, and nothing is left in use once the stream ends.
+            status, _, body = srv.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4})
+            assert status == 200 and body["choices"][0]["text"]
+        finally:
+            stream.stop.set()
+            health.stop.set()
+            health.join(30)
         deadline = time.monotonic() + 60
         while any((left := soak.leftovers(srv.metrics())).values()):
             assert time.monotonic() < deadline, f"left in use: {left}"

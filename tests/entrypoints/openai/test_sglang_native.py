@@ -24,7 +24,7 @@ def _json(srv, method, path, body=None):
 def test_the_routers_probes_answer(srv):
     for path in ("/get_model_info", "/model_info"):
         status, info = _json(srv, "GET", path)
-        assert status == 200 and info["is_generation"] is True and info["model_path"] == MODEL
+        assert status == 200 and info["is_generation"] is True and info["served_model_name"] == MODEL
     for path in ("/get_server_info", "/server_info"):
         status, info = _json(srv, "GET", path)
         assert status == 200 and info["context_length"] > 0 and info["max_running_requests"] > 0

@@ -1,0 +1,94 @@
+"""`hybridkv fleet` (entrypoints/fleet.py), all real processes: a redis-server, two `hybridkv
+serve` replicas with the Redis storage tier, and SGLang's router in front. A prefix one replica
+computed is a storage hit on the other; routed multi-turn conversations give the greedy text one
+replica gives directly; after a replica is killed every new routed request succeeds; stopping
+the fleet leaves no process behind."""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from hybridkv.entrypoints.fleet import Fleet, free_port
+from system_tools import require_program
+
+pytestmark = pytest.mark.slow
+SERVE = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8", "--kv-cache-memory-bytes", "16MiB",
+         "--served-model-name", "tiny", "--disable-access-log"]
+
+
+def _post(url: str, body: dict, timeout: float = 60) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        e.msg = f"{e.msg}: {e.read()[:500]!r}"  # the server's error body, in the failure message
+        raise
+
+
+def _chat(base: str, messages: list[dict]) -> tuple[str, int]:
+    r = _post(f"{base}/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 8,
+                                               "temperature": 0, "ignore_eos": True})
+    return r["choices"][0]["message"]["content"], r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.fixture
+def fleet(tiny_ckpt):
+    require_program("redis-server", "apt-get install -y redis-server")
+    require_program("sglang-router", "pip install sglang-router")
+    f = Fleet(tiny_ckpt("llama"), replicas=2, port=free_port(), serve_args=SERVE)
+    f.start()
+    try:
+        yield f
+    finally:
+        f.stop()
+        left = [n for n, p in f.processes.items() if p.poll() is None]
+        assert not left, f"processes left running after the fleet stopped: {left}"
+
+
+def test_a_fleet_shares_prefixes_through_redis_and_survives_losing_a_replica(fleet):
+    a, b = fleet.replica_urls
+    doc = " ".join(f"fact {i}: hybrid attention keeps long contexts cheap." for i in range(10))
+    first = _post(f"{a}/v1/completions", {"model": "tiny", "prompt": doc, "max_tokens": 2, "temperature": 0})
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    pages = first["usage"]["prompt_tokens"] // 16
+    import redis
+
+    client = redis.Redis.from_url(fleet.redis_url)
+    deadline = time.monotonic() + 15  # replica A's write-behind reaches Redis
+    while client.dbsize() < pages and time.monotonic() < deadline:
+        time.sleep(0.1)
+    client.close()
+    second = _post(f"{b}/v1/completions", {"model": "tiny", "prompt": doc, "max_tokens": 2, "temperature": 0})
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= (pages - 1) * 16, (
+        "replica B did not hit the prefix replica A stored")
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+
+    # 4 conversations x 6 turns through the router, each turn's answer appended to the history;
+    # the same turns sent straight to replica A give the same greedy text.
+    for c in range(4):
+        routed_history: list[dict] = []
+        for turn in range(6):
+            routed_history.append({"role": "user", "content": f"conversation {c}, turn {turn}: tell me more"})
+            routed, _ = _chat(fleet.url, routed_history)
+            direct, _ = _chat(a, routed_history)
+            assert routed == direct, f"conversation {c} turn {turn}: the routed answer differs from replica A's"
+            routed_history.append({"role": "assistant", "content": routed})
+
+    fleet.processes["replica 1"].kill()  # a replica dies; the router's health check drops it
+    fleet.processes["replica 1"].wait()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            _chat(fleet.url, [{"role": "user", "content": "conversation 1, turn 0: tell me more"}])
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "the router still routes to the killed replica after 30 s"
+            time.sleep(0.5)
+    for c in range(4):  # every new routed request succeeds
+        text, _ = _chat(fleet.url, [{"role": "user", "content": f"after the loss {c}"}])
+        assert text is not None
