@@ -62,6 +62,7 @@ class Fleet:
     host: str = "127.0.0.1"  # the router's bind address; replicas always bind loopback
     policy: str = "cache_aware"
     redis_url: str | None = None  # None: start a private redis-server
+    shared_storage: bool = True  # False: replicas keep their own caches (no Redis; for comparison)
     serve_args: list[str] = field(default_factory=list)
     health_check_interval_s: int = 1
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
@@ -76,10 +77,12 @@ class Fleet:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
         router = _program("sglang-router", "pip install sglang-router")
         try:
-            if self.redis_url is None:
-                self._start_redis()
-            storage = ["--enable-hierarchical-cache", "--hicache-storage-backend", "redis",
-                       "--hicache-storage-backend-extra-config", json.dumps({"url": self.redis_url})]
+            storage = []
+            if self.shared_storage:
+                if self.redis_url is None:
+                    self._start_redis()
+                storage = ["--enable-hierarchical-cache", "--hicache-storage-backend", "redis",
+                           "--hicache-storage-backend-extra-config", json.dumps({"url": self.redis_url})]
             for i in range(self.replicas):
                 port = free_port()
                 cmd = [sys.executable, "-m", "hybridkv", "serve", *([self.model] if self.model else []),
