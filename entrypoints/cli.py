@@ -283,10 +283,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _fleet(args: argparse.Namespace) -> int:
     from hybridkv.entrypoints.fleet import Fleet
 
-    serve_args = list(args.serve_args)
-    if serve_args[:1] == ["--"]:
-        serve_args = serve_args[1:]
-    fleet = Fleet(args.model_tag, args.replicas, args.port, args.host, args.policy, args.redis_url, serve_args)
+    fleet = Fleet(args.model_tag, args.replicas, args.port, args.host, args.policy, args.redis_url,
+                  serve_args=list(args.serve_args))
     fleet.start()
     logging.getLogger("hybridkv.fleet").info("serving at %s/v1 through the router; Ctrl-C stops every process",
                                              fleet.url)
@@ -346,14 +344,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the router's policy (default: cache_aware)")
     f.add_argument("--redis-url", default=None,
                    help="a shared Redis for the storage tier (default: start a private redis-server)")
-    f.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then flags for every replica's `serve`")
-    f.set_defaults(func=_fleet)
+    f.set_defaults(func=_fleet, serve_args=[])  # what follows `--` (split off in main)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    passed_on: list[str] = []
+    if argv[:1] == ["fleet"] and "--" in argv:  # `hybridkv fleet ... -- <flags for every replica>`
+        cut = argv.index("--")
+        argv, passed_on = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)
+    if passed_on:
+        args.serve_args = passed_on
     try:
         return args.func(args)
     except ValueError as e:

@@ -182,3 +182,16 @@ def test_serve_prefaults_the_kv_cache_and_generate_takes_it_lazily():
     assert serve_engine_kwargs(parse(["serve", "--no-kv-cache-prefault"]))["kv_cache_prefault"] is False
     assert engine_kwargs(parse(["generate"]))["kv_cache_prefault"] is None  # LLM's default: lazy
     assert engine_kwargs(parse(["generate", "--kv-cache-prefault"]))["kv_cache_prefault"] is True
+
+
+def test_fleet_passes_what_follows_the_double_dash_to_every_replica(monkeypatch):
+    """`hybridkv fleet MODEL --replicas 3 -- --max-model-len 8`: the fleet's own flags before `--`,
+    every replica's `serve` flags after it (argparse alone would let the model swallow them)."""
+    from hybridkv.entrypoints import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_fleet", lambda a: seen.append((a.model_tag, a.replicas, a.serve_args)) or 0)
+    assert cli.main(["fleet", "m", "--replicas", "3", "--", "--max-model-len", "8"]) == 0
+    assert cli.main(["fleet", "--replicas", "2", "--", "--dtype", "float32"]) == 0
+    assert cli.main(["fleet", "m"]) == 0
+    assert seen == [("m", 3, ["--max-model-len", "8"]), (None, 2, ["--dtype", "float32"]), ("m", 2, [])]
