@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from hybridkv.engine.config import EngineConfig
-from hybridkv.engine.tp_worker import BindKVCache, RunStep, Stop, WorkerSpec, worker_main
+from hybridkv.engine.tp_worker import BindKVCache, RunStep, Stop, WorkerSpec, started_key, worker_main
 from hybridkv.block_manager.kv_plan import KVCacheLayout, KVPlan, TierTransfers
 from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
 from hybridkv.model_executor.model_runner import ModelRunner, ModelSkeleton, RunnerOutput
@@ -101,11 +101,30 @@ class WorkerGroup:
         self._finalizer = weakref.finalize(self, _kill_workers, self.processes)
         self.failure: RuntimeError | None = None
         try:
+            self._wait_for_workers(store)
+        except RuntimeError:
+            self.close()
+            raise
+        try:
             if self.backend == "nccl":
                 torch.cuda.set_device(0)
             dist.init_process_group(self.backend, store=store, rank=0, world_size=self.size, timeout=timeout)
         except Exception as e:
             raise self._failed(e) from e
+
+    def _wait_for_workers(self, store: dist.TCPStore) -> None:
+        """Wait until every worker process runs (it set its key in the store), failing at once,
+        naming the rank, when one exits first (an import error, say) instead of at the timeout."""
+        keys = [started_key(rank) for rank in range(1, self.size)]
+        deadline = time.monotonic() + self.timeout_s
+        while not store.check(keys):
+            dead = self._dead_workers(wait_s=0.0)
+            if dead:
+                raise RuntimeError(f"tensor-parallel worker rank {dead[0][0]} exited with code {dead[0][1]} "
+                                   "while starting (its error is above, on stderr)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel workers did not start within {self.timeout_s:.0f}s")
+            time.sleep(0.05)
 
     def describe(self) -> str:
         ranks = ", ".join([f"rank 0 (driver, pid {os.getpid()})"] +
@@ -165,16 +184,18 @@ class WorkerGroup:
             for proc in self.processes:
                 proc.join(timeout=10)
         self._finalizer()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _kill_workers(processes: list[multiprocessing.process.BaseProcess]) -> None:
+    """Kill and reap every worker still running, and leave the process group (the finalizer of
+    a WorkerGroup: it runs once, at close, garbage collection or interpreter exit)."""
     for proc in processes:
         if proc.is_alive():
             proc.kill()
     for proc in processes:
         proc.join(timeout=10)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class TensorParallelRunner:

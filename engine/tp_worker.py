@@ -9,6 +9,7 @@ forward's all-reduces and the logits gather pair it with the other ranks step by
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -69,10 +70,16 @@ def receive() -> BindKVCache | RunStep | Stop:
     return box[0]
 
 
+def started_key(rank: int) -> str:
+    """The store key a worker sets once it runs (before it joins the process group)."""
+    return f"hybridkv/tp/started/{rank}"
+
+
 def join_group(spec: WorkerSpec) -> None:
     """Join the driver's process group (the driver is rank 0 and holds the store)."""
     timeout = timedelta(seconds=spec.timeout_s)
     store = dist.TCPStore("127.0.0.1", spec.store_port, spec.size, is_master=False, timeout=timeout)
+    store.set(started_key(spec.rank), str(os.getpid()))  # the driver waits for these, watching the processes
     if spec.backend == "nccl":
         torch.cuda.set_device(spec.rank)
     dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.size, timeout=timeout)

@@ -151,3 +151,39 @@ def test_heads_that_do_not_split_are_refused_naming_the_count(tiny_ckpt):
         LLM(tiny_ckpt("llama", num_attention_heads=3, num_key_value_heads=3, hidden_size=48), dtype="float32",
             tensor_parallel_size=2)
     assert _no_workers_left()
+
+
+EXIT_WITHOUT_SHUTDOWN = """
+import sys
+from hybridkv.entrypoints import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], dtype="float32", tensor_parallel_size=2)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    print(llm.engine.runner.workers.processes[0].pid, flush=True)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether pid is a live process (a zombie nobody reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+def test_interpreter_exit_stops_the_workers(tiny_ckpt, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_without_shutdown.py"
+    script.write_text(EXIT_WITHOUT_SHUTDOWN)
+    done = subprocess.run([sys.executable, str(script), tiny_ckpt("llama", num_key_value_heads=4)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    pid = int(done.stdout.strip().splitlines()[-1])
+    deadline = time.monotonic() + 10
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(pid), f"worker {pid} outlived its driver"
