@@ -216,7 +216,7 @@ class TensorParallelRunner:
         self.driver.bind_kv_cache(layout, prefault=prefault)
 
     def execute(self, batch: ModelInput, plan: KVPlan) -> RunnerOutput:
-        self.workers.broadcast(RunStep([worker_view(s) for s in batch.sequences], plan))
+        self.workers.broadcast(RunStep([worker_view(s) for s in batch.sequences], step_plan(plan, batch, self.driver.layout.page_size)))
         with self.workers.watch():
             return self.driver.execute(batch, plan)
 
@@ -239,6 +239,16 @@ def worker_view(s: ScheduledSequence) -> ScheduledSequence:
     (rank 0 samples)."""
     return ScheduledSequence(s.request_id, s.token_ids, s.start, s.end, s.samples, s.params, None,
                              s.prompt_token_ids, [])
+
+
+def step_plan(plan: KVPlan, batch: ModelInput, page_size: int) -> KVPlan:
+    """The plan cut to what a worker's step reads: the block-table rows of the step's sequences
+    only (the manager's tables hold a row for every running request, each as wide as
+    max_model_len needs), as many pages wide as the runner reads (ModelRunner.step_sequences)."""
+    ids = [s.request_id for s in batch.sequences]
+    tables = plan.step_tables(ids, -(-max(s.end for s in batch.sequences) // page_size))
+    return KVPlan({name: t.contiguous() for name, t in tables.items()}, {rid: i for i, rid in enumerate(ids)},
+                  plan.copies)
 
 
 def start_tensor_parallel(config: EngineConfig, model_dir: str, device: torch.device,

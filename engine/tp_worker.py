@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -90,13 +91,17 @@ def worker_main(spec: WorkerSpec) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"[tp rank {spec.rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(spec.threads)
     join_group(spec)
-    try:
-        runner = ModelRunner(spec.model_dir, spec.dtype, spec.max_model_len, spec.seed,
-                             attention_backend=spec.attention_backend, device=spec.device,
-                             parallel=TensorParallel(spec.rank, spec.size))
-        serve(runner)
-    finally:
-        dist.destroy_process_group()
+    runner = ModelRunner(spec.model_dir, spec.dtype, spec.max_model_len, spec.seed,
+                         attention_backend=spec.attention_backend, device=spec.device,
+                         parallel=TensorParallel(spec.rank, spec.size))
+    serve(runner)
+    # Told to stop: leave without tearing the process group down. Its gloo threads, destroyed
+    # while the driver's side of the connections closes, aborted the process now and then
+    # (exit code -6); nothing in this process outlives it. An error above exits the usual way,
+    # with its traceback and a non-zero code, which the driver reports.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def serve(runner: ModelRunner) -> None:

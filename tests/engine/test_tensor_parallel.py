@@ -94,6 +94,8 @@ def test_two_ranks_match_one_process(tiny_ckpt, shut_down, arch, overrides, page
     two = LLM(path, kv_cache_memory_bytes=_kv_bytes(path, 2, pages), tensor_parallel_size=2, **common)
     shut_down(two)
     got = _run(two, prompts)
+    two.shutdown()
+    assert [p.exitcode for p in two.engine.runner.workers.processes] == [0], "a worker did not stop cleanly"
     assert got["pages"] == want["pages"]
     assert want["preemptions"] > 0 and want["cached"] > 0, "the setting should preempt and hit the prefix cache"
     assert got["tokens"] == want["tokens"]
