@@ -30,7 +30,6 @@ from hybridkv.engine.tp_worker import BindKVCache, RunStep, Stop, WorkerSpec, st
 from hybridkv.block_manager.kv_plan import KVCacheLayout, KVPlan, TierTransfers
 from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
 from hybridkv.model_executor.model_runner import ModelRunner, ModelSkeleton, RunnerOutput
-from hybridkv.model_executor.models.llama import LlamaForCausalLM
 from hybridkv.model_executor.parallel.state import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -61,11 +60,8 @@ def threads_per_rank(config: EngineConfig) -> int:
 
 def check_supported(config: EngineConfig, skeleton: ModelSkeleton) -> None:
     """ValueError naming what tensor_parallel_size > 1 does not support yet (the config's tiers
-    are refused by EngineConfig itself)."""
-    n = config.tensor_parallel_size
-    if not isinstance(skeleton.model, LlamaForCausalLM):
-        raise ValueError(f"tensor_parallel_size={n} supports the dense Llama-family and Gemma-3 models only so far; "
-                         f"{type(skeleton.model).__name__} is not supported yet with tensor_parallel_size > 1")
+    are refused by EngineConfig itself, model classes without a sharded form by the skeleton's
+    build: model_runner.build_model)."""
     if getattr(skeleton.config, "quantization_config", None) is not None:
         raise ValueError("quantized (FP8/FP4) checkpoints are not supported yet with tensor_parallel_size > 1")
     if config.allow_pickle_weights:
@@ -168,9 +164,8 @@ class WorkerGroup:
         if dead:
             what = "; ".join(f"worker rank {r} exited with code {code}" for r, code in dead)
             self.failure = RuntimeError(f"tensor-parallel {what}: the engine cannot continue ({error})")
-        else:
-            self.failure = RuntimeError(f"tensor-parallel collective failed (no worker exited; a rank may be hung "
-                                        f"past the {self.timeout_s:.0f}s timeout): {error}")
+        else:  # the driver's own error, or a rank silent past the timeout
+            self.failure = RuntimeError(f"a tensor-parallel step failed, the workers were stopped: {error}")
         self.close()
         return self.failure
 
@@ -183,6 +178,8 @@ class WorkerGroup:
                 pass
             for proc in self.processes:
                 proc.join(timeout=10)
+        if self.failure is None:
+            self.failure = RuntimeError("the tensor-parallel workers were shut down: this engine runs no more steps")
         self._finalizer()
 
 

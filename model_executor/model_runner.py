@@ -103,6 +103,9 @@ def build_model(cls: type[CausalLM], config, max_positions: int, parallel: Tenso
     """An instance of the model class: whole, or (parallel) this rank's shard."""
     if parallel is None:
         return cls(config, max_positions=max_positions)
+    if not cls.supports_tensor_parallel:
+        raise ValueError(f"{cls.__name__} is not supported yet with tensor_parallel_size > 1 (the dense "
+                         "Llama-family and Gemma-3 models are)")
     return cls(config, max_positions=max_positions, parallel=parallel)
 
 

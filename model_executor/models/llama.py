@@ -136,6 +136,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(CausalLM):
     """Llama / Mistral / Qwen2 / Qwen3 causal LM over paged block spaces."""
 
+    supports_tensor_parallel = True
+
     # HF weight name suffix -> (our fused parameter, shard id)
     stacked_params = {
         "q_proj": ("qkv_proj", "q"),

@@ -80,7 +80,7 @@ def _assert_logprobs_close(a: list, b: list, tol: float = 1e-3) -> None:
 # pages: a few sequences at a time, so decodes preempt each other (Gemma-3's sliding space is
 # sized for max_num_seqs windows first: 18 pages of budget leave the full space fewer).
 @pytest.mark.parametrize("arch,overrides,pages", [
-    ("llama", {"num_key_value_heads": 4}, 10),  # GQA: 2 KV heads per rank
+    ("llama", {"num_key_value_heads": 4, "attention_bias": True}, 10),  # GQA: 2 KV heads per rank; row-parallel bias
     ("llama", {"num_key_value_heads": 1}, 10),  # fewer KV heads than ranks: replicated
     ("qwen3", {}, 10),  # per-head q/k norms
     ("gemma3_text", {}, 18),  # full and sliding spaces, tied vocab-parallel head, softcap
@@ -189,3 +189,13 @@ def test_interpreter_exit_stops_the_workers(tiny_ckpt, tmp_path):
     while _running(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _running(pid), f"worker {pid} outlived its driver"
+
+
+@pytest.mark.slow
+def test_a_shut_down_engine_says_so(tiny_ckpt, shut_down):
+    llm = LLM(tiny_ckpt("llama", num_key_value_heads=4), dtype="float32", tensor_parallel_size=2)
+    shut_down(llm)
+    llm.shutdown()
+    assert _no_workers_left()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(_prompts(320, 1), GREEDY, use_tqdm=False)
