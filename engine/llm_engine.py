@@ -44,8 +44,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         parallel = TensorParallel(0, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        self._threads_before = torch.get_num_threads()  # given back at shutdown (tensor parallelism)
         if parallel is not None:
-            torch.set_num_threads(threads_per_rank(config))
+            torch.set_num_threads(threads_per_rank(config))  # this process is rank 0: its share of the cores
         elif config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         logger.info("CPU compute threads: %d (of %s cores); %s", torch.get_num_threads(), os.cpu_count(),
@@ -367,3 +368,4 @@ class LLMEngine:
         collection and interpreter exit stop them too."""
         if isinstance(self.runner, TensorParallelRunner):
             self.runner.shutdown()
+            torch.set_num_threads(self._threads_before)  # the workers' cores are free again
