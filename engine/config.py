@@ -104,8 +104,12 @@ class EngineConfig:
     # CPU compute threads (torch.set_num_threads, process-wide, set when the engine starts).
     # None = torch's default: OMP_NUM_THREADS when set, else one per core.
     num_threads: int | None = None
+    # Model shards, one process each (vLLM's name; engine/tp_executor.py): 1 = one process, no
+    # torch.distributed. With N > 1, num_threads is per rank (default: the cores shared evenly).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        self._check_tensor_parallel()
         validate_attention_backend_name(self.attention_backend)
         resolve_device(self.device)  # a device this machine lacks fails before the model loads
         if self.num_threads is not None and self.num_threads < 1:
@@ -144,6 +148,22 @@ class EngineConfig:
             raise ValueError("hisparse_config is given but enable_hisparse is False")
         if self.enable_hisparse:
             HiSparseConfig.parse(self.hisparse_config)  # a bad config fails before the model loads
+
+
+    def _check_tensor_parallel(self) -> None:
+        n = self.tensor_parallel_size
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}")
+        if n == 1:
+            return
+        unsupported = [name for name, on in (
+            ("enable_hierarchical_cache (the host tier)", self.enable_hierarchical_cache),
+            ("hicache_storage_backend (the storage tier)", self.hicache_storage_backend is not None),
+            ("enable_hisparse", self.enable_hisparse),
+        ) if on]
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)} not supported yet with tensor_parallel_size > 1 "
+                             f"(got tensor_parallel_size={n})")
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,10 @@ from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from hybridkv.engine.step_executor import StepExecutor
 from hybridkv.engine.tier_factory import wire_tiers
+from hybridkv.engine.tp_executor import TensorParallelRunner, start_tensor_parallel, threads_per_rank
 from hybridkv.model_executor.checkpoint import load_generation_config
 from hybridkv.model_executor.model_runner import ModelRunner, RunnerOutput, model_skeleton
+from hybridkv.model_executor.parallel.state import TensorParallel
 from hybridkv.model_executor.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -41,7 +43,11 @@ __all__ = ["LLMEngine", "PromptType", "as_token_ids", "is_token_array"]
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.num_threads is not None:
+        parallel = TensorParallel(0, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        self._threads_before = torch.get_num_threads()  # given back at shutdown (tensor parallelism)
+        if parallel is not None:
+            torch.set_num_threads(threads_per_rank(config))  # this process is rank 0: its share of the cores
+        elif config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         logger.info("CPU compute threads: %d (of %s cores); %s", torch.get_num_threads(), os.cpu_count(),
                     OPENMP_RUNTIME.describe())
@@ -61,17 +67,21 @@ class LLMEngine:
         self.model_dir = model_dir
         # Everything that needs only the model's shape is planned and checked before the weights
         # load (config.json, on the meta device): a budget too small fails in a second.
-        skeleton = model_skeleton(model_dir, config.dtype, config.max_model_len, device, config.attention_backend)
+        skeleton = model_skeleton(model_dir, config.dtype, config.max_model_len, device, config.attention_backend,
+                                  parallel)
         specs = skeleton.specs
         self.max_model_len = skeleton.max_model_len
         memory = plan_kv_memory(config, specs, skeleton.model, self.max_model_len)
         self.block_size, self.hisparse = memory.block_size, memory.hisparse
 
-        self.runner = ModelRunner(
-            model_dir, config.dtype, config.max_model_len, config.seed, config.allow_pickle_weights,
-            attention_backend=config.attention_backend, dequantize_weights=config.dequantize_weights,
-            device=device, skeleton=skeleton,
-        )
+        if parallel is None:
+            self.runner: ModelRunner | TensorParallelRunner = ModelRunner(
+                model_dir, config.dtype, config.max_model_len, config.seed, config.allow_pickle_weights,
+                attention_backend=config.attention_backend, dequantize_weights=config.dequantize_weights,
+                device=device, skeleton=skeleton,
+            )
+        else:  # rank 0's shard here, the others in worker processes (engine/tp_executor.py)
+            self.runner = start_tensor_parallel(config, model_dir, device, skeleton)
         if self.runner.space_specs() != specs:  # a model whose spaces depend on its weights: a bug
             raise RuntimeError(f"the loaded model's block spaces {self.runner.space_specs()} differ from the "
                                f"ones planned from its config {specs}")
@@ -352,3 +362,10 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do with tensor_parallel_size=1). Garbage
+        collection and interpreter exit stop them too."""
+        if isinstance(self.runner, TensorParallelRunner):
+            self.runner.shutdown()
+            torch.set_num_threads(self._threads_before)  # the workers' cores are free again

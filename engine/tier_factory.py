@@ -55,7 +55,10 @@ def make_storage_tier(config: EngineConfig, kv: KVCacheManager, runner: ModelRun
                       specs: list[SpaceSpec]) -> StorageTier:
     """The L3 store under the host tier: pages are named by hash chains seeded with this
     configuration's KV fingerprint (set on the index before any node exists)."""
-    fp = kv_fingerprint(model_dir, str(runner.dtype), kv.page_size, specs, runner.host_cache.page_layout)
+    parallel = runner.parallel  # each rank stores its own KV shard: the rank is part of the pages' identity
+    fp = kv_fingerprint(model_dir, str(runner.dtype), kv.page_size, specs, runner.host_cache.page_layout,
+                        tp_rank=parallel.rank if parallel is not None else 0,
+                        tp_size=parallel.size if parallel is not None else 1)
     backend = make_backend(config.hicache_storage_backend, storage_extra_config(config))
     kv.index.chain_seed = fp.seed
     logger.info("storage tier (HiCache L3): backend=%s prefetch=%s fingerprint=%s",

@@ -93,6 +93,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the CUDA path is checked on the CPU only so far (benchmarks/gpu_check.py)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="CPU compute threads (default: OMP_NUM_THREADS, else one per core)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="model shards, one process each (torch.distributed, gloo on the CPU); dense "
+                        "Llama-family and Gemma-3 models, no host/storage tier or HiSparse yet (default: 1)")
     p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="greedy decode steps per model call when every running request decodes greedily "
                         "and none waits (default: 8 without a step target, so `generate`; 1 with one, so `serve`)")
@@ -151,6 +154,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         num_threads=args.num_threads,
+        tensor_parallel_size=args.tensor_parallel_size,
         num_scheduler_steps=args.num_scheduler_steps,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         kv_cache_prefault=args.kv_cache_prefault,

@@ -43,6 +43,10 @@ class LLM:
     greedily and nobody waits (None: 8 here, 1 with a target_step_seconds); the tokens are
     those of one step at a time.
 
+    tensor_parallel_size: model shards, one process each (torch.distributed; gloo on the CPU):
+    this process is rank 0 and starts N-1 workers, stopped by shutdown(). Dense Llama-family and
+    Gemma-3 models; the host/storage tiers and HiSparse are refused with N > 1 so far.
+
     block_size: tokens per KV page; None (the default) takes the model's default page size (16
     for dense models, 128 for DeepSeek-V4). An explicit size the model cannot use (not a multiple
     of its compression ratios) raises ValueError naming the sizes it can use.
@@ -86,6 +90,7 @@ class LLM:
         num_threads: int | None = None,
         num_scheduler_steps: int | None = None,
         kv_cache_prefault: bool | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -124,8 +129,14 @@ class LLM:
                 num_threads=num_threads,
                 num_scheduler_steps=num_scheduler_steps,
                 kv_cache_prefault=kv_cache_prefault,
+                tensor_parallel_size=tensor_parallel_size,
             )
         )
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel worker processes (with tensor_parallel_size > 1; garbage
+        collection and interpreter exit do it too). The LLM cannot generate afterwards."""
+        self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

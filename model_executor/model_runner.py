@@ -38,6 +38,8 @@ from hybridkv.model_executor.quantization import (
 )
 from hybridkv.model_executor.models.base import CausalLM
 from hybridkv.model_executor.models.registry import resolve_model_class
+from hybridkv.model_executor.parallel.shard_loader import iter_weight_shards
+from hybridkv.model_executor.parallel.state import TensorParallel
 from hybridkv.model_executor.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 
 
@@ -97,17 +99,28 @@ class ModelSkeleton:
     specs: list[SpaceSpec]
 
 
+def build_model(cls: type[CausalLM], config, max_positions: int, parallel: TensorParallel | None) -> CausalLM:
+    """An instance of the model class: whole, or (parallel) this rank's shard."""
+    if parallel is None:
+        return cls(config, max_positions=max_positions)
+    if not cls.supports_tensor_parallel:
+        raise ValueError(f"{cls.__name__} is not supported yet with tensor_parallel_size > 1 (the dense "
+                         "Llama-family and Gemma-3 models are)")
+    return cls(config, max_positions=max_positions, parallel=parallel)
+
+
 def model_skeleton(model_dir: str, dtype: str | torch.dtype, max_model_len: int | None,
-                   device: torch.device | str, attention_backend: str = "auto") -> ModelSkeleton:
+                   device: torch.device | str, attention_backend: str = "auto",
+                   parallel: TensorParallel | None = None) -> ModelSkeleton:
     """The model of model_dir as ModelRunner will build it, on the meta device: in well under a
     second, so every check that needs only its shape runs before the weights load (the attention
-    backend's first of all)."""
+    backend's first of all). parallel: rank 0's shard (every rank's KV shard has its shape)."""
     check_attention_backend(attention_backend, device)
     config = load_config(model_dir)
     resolved = resolve_dtype(dtype, config, torch.device(device))
     max_len = resolve_max_model_len(config, max_model_len)
     with torch.device("meta"), SkipRandomInit():
-        model: CausalLM = resolve_model_class(config)(config, max_positions=max_len)
+        model = build_model(resolve_model_class(config), config, max_len, parallel)
     return ModelSkeleton(config, model, resolved, max_len, model.space_specs(resolved))
 
 
@@ -123,10 +136,13 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         dequantize_weights: bool | None = None,
         skeleton: ModelSkeleton | None = None,
+        parallel: TensorParallel | None = None,
     ) -> None:
         """`skeleton`: the engine's model_skeleton of the same arguments, whose config, dtype and
-        context length are taken as they are (resolved and logged once)."""
+        context length are taken as they are (resolved and logged once). `parallel`: this rank of
+        a tensor-parallel group: the runner builds and loads its shard, and only rank 0 samples."""
         self.device = torch.device(device)
+        self.parallel = parallel
         if self.device.type == "cpu":  # each layer's activations are freed and allocated again
             retention = retain_freed_heap()
             logger.info("heap retention (heap_retention.py): %s (%s)", "on" if retention.applied else "off",
@@ -152,12 +168,13 @@ class ModelRunner:
         self.attention_backend_name: str = self.backend.name
         t0 = time.perf_counter()
         with self.device, SkipRandomInit():  # every weight comes from the checkpoint
-            model: CausalLM = cls(self.config, max_positions=max_model_len)
+            model = build_model(cls, self.config, max_model_len, parallel)
         model.attention_backend_name = self.attention_backend_name
         quantized_names: list[str] = []
+        weights = (iter_weights(model_dir, allow_pickle=allow_pickle_weights) if parallel is None
+                   else iter_weight_shards(model_dir, model.shard().slice_of))
         model.load_weights(attach_block_scales(
-            iter_weights(model_dir, allow_pickle=allow_pickle_weights), self.quantization,
-            dequantize=self.dequantize_weights, paired=quantized_names,
+            weights, self.quantization, dequantize=self.dequantize_weights, paired=quantized_names,
         ))
         model.cast_to(self.dtype)
         self.step_cost = model.step_cost()  # before packing: it counts parameters
@@ -332,7 +349,7 @@ class ModelRunner:
                 self.copy_stats["transfer_seconds"] += self.host_cache.load_seconds - self._load_seconds_seen
                 self._load_seconds_seen = self.host_cache.load_seconds
 
-        if self.captured_logits is not None:
+        if self.captured_logits is not None and self.parallel is None:
             all_logits = self.model.compute_logits(hidden).float().cpu()
             row = 0
             for s in items:
@@ -352,9 +369,11 @@ class ModelRunner:
             return out
         # The sampler works on the host (per-request torch.Generators are CPU generators), in
         # float32 except for plain greedy rows, whose argmax it takes in the model's dtype.
-        logits = self.model.compute_logits(hidden).cpu()
+        logits = self.model.compute_logits(hidden)
+        if logits is None:  # a tensor-parallel rank other than 0: its columns went to rank 0
+            return out
         res = self.sampler(
-            logits,
+            logits.cpu(),
             SamplingBatch(
                 params=[s.params for s in sampling],
                 generators=[s.generator for s in sampling],
@@ -423,7 +442,8 @@ class ModelRunner:
         """The rows the model must return: only the sampled ones, unless a step reads more
         (prompt logprobs, the logits-capture hook) or every row is sampled (a decode step):
         None (all rows) then."""
-        if (len(sampled_rows) == ids.shape[0] or self.captured_logits is not None
+        # (the logits-capture hook is the driver's alone: every rank must return the same rows)
+        if (len(sampled_rows) == ids.shape[0] or (self.captured_logits is not None and self.parallel is None)
                 or any(s.wants_prompt_logprobs for s in items)):
             return None
         return torch.tensor(sampled_rows, dtype=torch.long, device=ids.device)
@@ -449,7 +469,10 @@ class ModelRunner:
         n = last - s.start
         if n <= 0:
             return
-        logits = self.model.compute_logits(hidden[:n]).float().cpu()
+        logits = self.model.compute_logits(hidden[:n])
+        if logits is None:  # a tensor-parallel rank other than 0
+            return
+        logits = logits.float().cpu()
         targets = torch.tensor(s.prompt_token_ids[s.start + 1 : last + 1])
         entries = compute_prompt_logprobs(logits, targets, s.params.prompt_logprobs)
         out.prompt_logprobs[s.request_id] = (s.start + 1, entries)

@@ -34,7 +34,8 @@ def tiny_ckpt(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _engines_end_idle(monkeypatch):
-    """Invariant checked after every test: each engine it built holds no page; all pages are free or cached."""
+    """Invariant checked after every test: each engine it built holds no page; all pages are free or
+    cached; and no tensor-parallel worker process of it still runs."""
     from hybridkv.engine.llm_engine import LLMEngine
 
     built: list[LLMEngine] = []
@@ -51,3 +52,6 @@ def _engines_end_idle(monkeypatch):
         engine.kv.assert_idle()
         hot = engine.runner.hot_buffers  # HiSparse: every request's hot-buffer row was released
         assert hot is None or hot.num_active == 0, f"{hot.num_active} hot-buffer rows still held"
+        workers = getattr(engine.runner, "workers", None)  # tensor_parallel_size > 1
+        alive = [p.pid for p in workers.processes if p.is_alive()] if workers is not None else []
+        assert not alive, f"test left tensor-parallel workers {alive} running (LLM.shutdown())"

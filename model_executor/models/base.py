@@ -34,6 +34,8 @@ class CausalLM(nn.Module):
     # The page size this model prefers when the user leaves block_size at the engine default;
     # None = the engine default fits (DeepSeek-V4 wants 128: a multiple of its compress ratios).
     default_block_size: int | None = None
+    # Whether the constructor takes `parallel` (a TensorParallel) and builds one rank's shard.
+    supports_tensor_parallel: bool = False
 
     @classmethod
     def cpu_kernel_loaders(cls, dtype: torch.dtype) -> list[Callable[[], object]]:

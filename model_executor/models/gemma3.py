@@ -20,7 +20,8 @@ from torch import nn
 
 from hybridkv.attention_backends.metadata import AttentionMetadata
 from hybridkv.model_executor.layers import RMSNorm, RotaryEmbedding, SiluAndMulMLP
-from hybridkv.model_executor.models.llama import LlamaAttention, LlamaForCausalLM
+from hybridkv.model_executor.models.llama import LlamaAttention, LlamaForCausalLM, mlp_size, reduce_partial
+from hybridkv.model_executor.parallel.state import TensorParallel
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -28,19 +29,22 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 class Gemma3Attention(LlamaAttention):
     """LlamaAttention with unit-offset q/k norms and Gemma's query_pre_attn_scalar scaling."""
 
-    def __init__(self, config, layer_idx: int, window: int | None, flags: dict) -> None:
-        super().__init__(config, layer_idx, window, flags)
+    def __init__(self, config, layer_idx: int, window: int | None, flags: dict,
+                 parallel: TensorParallel | None = None) -> None:
+        super().__init__(config, layer_idx, window, flags, parallel)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=True)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=True)
         self.scale = float(config.query_pre_attn_scalar) ** -0.5
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, window: int | None, flags: dict) -> None:
+    def __init__(self, config, layer_idx: int, window: int | None, flags: dict,
+                 parallel: TensorParallel | None = None) -> None:
         super().__init__()
+        self.parallel = parallel
         self.layer_type = config.layer_types[layer_idx]
-        self.self_attn = Gemma3Attention(config, layer_idx, window, flags)
-        self.mlp = SiluAndMulMLP(config.hidden_size, config.intermediate_size, act=config.hidden_activation)
+        self.self_attn = Gemma3Attention(config, layer_idx, window, flags, parallel)
+        self.mlp = SiluAndMulMLP(config.hidden_size, mlp_size(config, parallel), act=config.hidden_activation)
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
@@ -54,7 +58,7 @@ class Gemma3DecoderLayer(nn.Module):
         if output_rows is not None:
             hidden = hidden[output_rows]
         hidden = hidden + self.post_attention_layernorm.forward(attn)
-        mlp = self.mlp.forward(self.pre_feedforward_layernorm.forward(hidden))
+        mlp = reduce_partial(self.parallel, self.mlp.forward(self.pre_feedforward_layernorm.forward(hidden)))
         return hidden + self.post_feedforward_layernorm.forward(mlp)
 
 
@@ -63,7 +67,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     qkv/gate_up weight loading of LlamaForCausalLM; replaces the layers, the RoPE tables and
     the embedding scale."""
 
-    def __init__(self, config, max_positions: int) -> None:
+    def __init__(self, config, max_positions: int, parallel: TensorParallel | None = None) -> None:
         nn.Module.__init__(self)  # not LlamaForCausalLM.__init__: the layers and RoPE differ
         if getattr(config, "attn_logit_softcapping", None) is not None:
             # The paged backends run scaled_dot_product_attention, which has no softcap hook;
@@ -72,6 +76,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention (embedding variants) is not supported: the engine is causal")
         self.config = config
+        self.parallel = parallel
         flags = {
             "qkv_bias": bool(getattr(config, "attention_bias", False)),
             "o_bias": bool(getattr(config, "attention_bias", False)),
@@ -79,9 +84,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             "mlp_bias": False,
         }
         windows = self.layer_windows(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = self.make_embedding(config, parallel)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, windows[i], flags) for i in range(config.num_hidden_layers)
+            Gemma3DecoderLayer(config, i, windows[i], flags, parallel) for i in range(config.num_hidden_layers)
         )
         head_dim = self.layers[0].self_attn.head_dim
         # One table per layer type present: the local base differs from the global one, and only
@@ -94,8 +99,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.embed_scale = float(config.hidden_size) ** 0.5
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if self.tie_word_embeddings else self.make_head(config, parallel)
         self._packed_logits = None
+        self._fused_decode = None
 
     @staticmethod
     def layer_windows(config) -> list[int | None]:
@@ -125,8 +131,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def logits_softcap(self) -> float | None:
         return self.final_logit_softcapping
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden)
+        if logits is None:  # a tensor-parallel rank other than 0
+            return None
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

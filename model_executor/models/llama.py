@@ -32,15 +32,36 @@ from hybridkv.model_executor.layers import (
 from hybridkv.model_executor.fused_decode import FusedDecode
 from hybridkv.model_executor.huge_pages import HugePageArena
 from hybridkv.model_executor.models.base import CausalLM, load_stacked_weights
+from hybridkv.model_executor.parallel.layers import VocabParallelEmbedding
+from hybridkv.model_executor.parallel.layout import DenseDecoderShard, HeadShard, VocabShard, split_evenly
+from hybridkv.model_executor.parallel.state import TensorParallel
 from hybridkv.model_executor.quantization import QuantizedLinear
 
 
+def reduce_partial(parallel: TensorParallel | None, x: torch.Tensor) -> torch.Tensor:
+    """A row-parallel projection's output summed over the ranks (x itself without tensor parallelism)."""
+    return x if parallel is None else parallel.all_reduce(x)
+
+
+def head_shard(config, parallel: TensorParallel | None) -> HeadShard:
+    """The attention heads this rank holds (all of them without tensor parallelism)."""
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    if parallel is None:
+        return HeadShard(num_heads, num_kv_heads, 0, 0)
+    return HeadShard.of(num_heads, num_kv_heads, parallel.rank, parallel.size)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, window: int | None, flags: dict) -> None:
+    def __init__(self, config, layer_idx: int, window: int | None, flags: dict,
+                 parallel: TensorParallel | None = None) -> None:
+        """parallel: this rank's share of the heads (q/k/v column-parallel, o_proj row-parallel)."""
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        heads = head_shard(config, parallel)
+        self.parallel = parallel
+        self.num_heads = heads.num_heads
+        self.num_kv_heads = heads.num_kv_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
@@ -73,15 +94,25 @@ class LlamaAttention(nn.Module):
             q = apply_rotary(self.q_norm.forward(q.view(T, self.num_heads, self.head_dim)), *rope)
             k = apply_rotary(self.k_norm.forward(k.view(T, self.num_kv_heads, self.head_dim)), *rope)
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.space, self.scale, output_rows)
-        return self.o_proj.forward(o.reshape(-1, self.q_size))
+        return reduce_partial(self.parallel, self.o_proj.forward(o.reshape(-1, self.q_size)))
+
+
+def mlp_size(config, parallel: TensorParallel | None) -> int:
+    """This rank's part of the MLP's intermediate size (gate/up column-, down row-parallel)."""
+    if parallel is None:
+        return config.intermediate_size
+    start, stop = split_evenly(config.intermediate_size, parallel.rank, parallel.size, "intermediate_size")
+    return stop - start
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, window: int | None, flags: dict) -> None:
+    def __init__(self, config, layer_idx: int, window: int | None, flags: dict,
+                 parallel: TensorParallel | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, window, flags)
+        self.parallel = parallel
+        self.self_attn = LlamaAttention(config, layer_idx, window, flags, parallel)
         self.mlp = SiluAndMulMLP(
-            config.hidden_size, config.intermediate_size, bias=flags["mlp_bias"], act=config.hidden_act
+            config.hidden_size, mlp_size(config, parallel), bias=flags["mlp_bias"], act=config.hidden_act
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -99,11 +130,13 @@ class LlamaDecoderLayer(nn.Module):
         if output_rows is not None:
             residual = residual[output_rows]
         residual, x = self.post_attention_layernorm.add_forward(attn, residual)
-        return self.mlp.forward(x), residual
+        return reduce_partial(self.parallel, self.mlp.forward(x)), residual
 
 
 class LlamaForCausalLM(CausalLM):
     """Llama / Mistral / Qwen2 / Qwen3 causal LM over paged block spaces."""
+
+    supports_tensor_parallel = True
 
     # HF weight name suffix -> (our fused parameter, shard id)
     stacked_params = {
@@ -114,22 +147,49 @@ class LlamaForCausalLM(CausalLM):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, max_positions: int) -> None:
+    def __init__(self, config, max_positions: int, parallel: TensorParallel | None = None) -> None:
+        """parallel: build this rank's shard (model_executor/parallel/layout.py); None: the whole model."""
         super().__init__()
         self.config = config
+        self.parallel = parallel
         flags = self.family_flags(config)
         windows = self.layer_windows(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = self.make_embedding(config, parallel)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, windows[i], flags) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, windows[i], flags, parallel) for i in range(config.num_hidden_layers)
         )
         attn = self.layers[0].self_attn
         self.rotary_emb = RotaryEmbedding(config, attn.head_dim, max_positions)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if self.tie_word_embeddings else self.make_head(config, parallel)
         self._packed_logits = None  # layers.fast_linear of the logits matrix, set by pack_weights
         self._fused_decode: FusedDecode | None = None  # decode-only steps in one C++ call, set by pack_weights
+
+    # -- tensor parallelism ----------------------------------------------------------------------
+    @staticmethod
+    def make_embedding(config, parallel: TensorParallel | None) -> nn.Embedding:
+        """The token embedding: whole, or this rank's vocabulary rows (vocab-parallel)."""
+        if parallel is None:
+            return nn.Embedding(config.vocab_size, config.hidden_size)
+        shard = VocabShard.of(config.vocab_size, parallel.rank, parallel.size)
+        return VocabParallelEmbedding(shard, config.hidden_size, parallel)
+
+    @staticmethod
+    def make_head(config, parallel: TensorParallel | None) -> nn.Linear:
+        """An untied LM head: whole, or this rank's vocabulary rows (its logits gathered on rank 0)."""
+        rows = config.vocab_size if parallel is None else VocabShard.of(config.vocab_size, parallel.rank,
+                                                                         parallel.size).padded
+        return nn.Linear(config.hidden_size, rows, bias=False)
+
+    def shard(self) -> DenseDecoderShard:
+        """This rank's slices of the checkpoint (the shard loader reads only those)."""
+        p, config, attn = self.parallel, self.config, self.layers[0].self_attn
+        return DenseDecoderShard(
+            p.rank, head_shard(config, p), attn.head_dim,
+            split_evenly(config.intermediate_size, p.rank, p.size, "intermediate_size"),
+            VocabShard.of(config.vocab_size, p.rank, p.size),
+        )
 
     # -- family differences -------------------------------------------------------------------
     @staticmethod
@@ -216,7 +276,15 @@ class LlamaForCausalLM(CausalLM):
         """The cap compute_logits applies after the head (Gemma's), or None."""
         return None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits of `hidden`'s rows; under tensor parallelism every rank computes its
+        vocabulary columns and rank 0 gets them all (the other ranks get None)."""
+        logits = self._head_logits(hidden)
+        if self.parallel is not None:
+            return self.parallel.gather_vocab(logits, self.config.vocab_size)
+        return logits
+
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._packed_logits is not None:
             return self._packed_logits(hidden)
         if isinstance(self.lm_head, QuantizedLinear):  # an FP8 checkpoint that quantized the head too
@@ -234,7 +302,9 @@ class LlamaForCausalLM(CausalLM):
         (layers.fast_linear), side by side in one arena in the order a step reads them."""
         arena = HugePageArena()
         pack_linear_weights(self, arena, release)
-        self._fused_decode = FusedDecode.for_model(self)
+        # The fused decode runs every layer in one C++ call, with no all-reduce between them: a
+        # sharded model runs layer by layer (and so takes no decode bursts either).
+        self._fused_decode = FusedDecode.for_model(self) if self.parallel is None else None
         if isinstance(self.lm_head, QuantizedLinear):
             return
         # An untied head is an nn.Linear, which pack_linear_weights has packed already: that copy

@@ -1,0 +1,118 @@
+"""A tensor-parallel worker process (ranks 1..N-1) and the messages the driver sends it.
+
+The driver (rank 0, the engine's process) owns the scheduler and the KV cache manager; a worker
+owns only its model shard and its KV shard. It joins the process group, loads its slices of the
+checkpoint, then executes what the driver broadcasts (torch.distributed.broadcast_object_list):
+the KV layout once, then every step's sequences and KV plan, until it is told to stop. Each
+forward's all-reduces and the logits gather pair it with the other ranks step by step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hybridkv.block_manager.kv_plan import KVCacheLayout, KVPlan
+from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
+from hybridkv.model_executor.model_runner import ModelRunner
+from hybridkv.model_executor.parallel.state import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker is started with (pickled into the spawned process)."""
+
+    rank: int
+    size: int
+    store_port: int  # the driver's TCPStore on 127.0.0.1: the process group's rendezvous
+    backend: str  # "gloo" (CPU) or "nccl" (CUDA)
+    timeout_s: float  # every collective's limit: a rank that stops answering fails the others
+    threads: int  # torch threads of this rank (its share of the cores)
+    model_dir: str
+    dtype: str
+    max_model_len: int | None
+    seed: int
+    attention_backend: str
+    device: str  # "cpu" or "cuda:<rank>"
+
+
+@dataclass(frozen=True)
+class BindKVCache:
+    """Allocate the KV shard from the same layout as the driver's."""
+
+    layout: KVCacheLayout
+    prefault: bool
+
+
+@dataclass(frozen=True)
+class RunStep:
+    """One forward: the step's sequences (plain ScheduledSequences, no engine objects) and its plan."""
+
+    sequences: list[ScheduledSequence]
+    plan: KVPlan
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Leave the loop and the process group."""
+
+
+def receive() -> BindKVCache | RunStep | Stop:
+    """The driver's next message (every rank calls this with the driver's send: one broadcast)."""
+    box: list = [None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def started_key(rank: int) -> str:
+    """The store key a worker sets once it runs (before it joins the process group)."""
+    return f"hybridkv/tp/started/{rank}"
+
+
+def join_group(spec: WorkerSpec) -> None:
+    """Join the driver's process group (the driver is rank 0 and holds the store)."""
+    timeout = timedelta(seconds=spec.timeout_s)
+    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.size, is_master=False, timeout=timeout)
+    store.set(started_key(spec.rank), str(os.getpid()))  # the driver waits for these, watching the processes
+    if spec.backend == "nccl":
+        torch.cuda.set_device(spec.rank)
+    dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.size, timeout=timeout)
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """The worker process's entry point (multiprocessing 'spawn' target)."""
+    logging.basicConfig(level=logging.WARNING, format=f"[tp rank {spec.rank}] %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(spec.threads)
+    join_group(spec)
+    runner = ModelRunner(spec.model_dir, spec.dtype, spec.max_model_len, spec.seed,
+                         attention_backend=spec.attention_backend, device=spec.device,
+                         parallel=TensorParallel(spec.rank, spec.size))
+    serve(runner)
+    # Told to stop: leave without tearing the process group down. Its gloo threads, destroyed
+    # while the driver's side of the connections closes, aborted the process now and then
+    # (exit code -6); nothing in this process outlives it. An error above exits the usual way,
+    # with its traceback and a non-zero code, which the driver reports.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def serve(runner: ModelRunner) -> None:
+    """Execute the driver's messages until Stop."""
+    while True:
+        message = receive()
+        if isinstance(message, Stop):
+            return
+        if isinstance(message, BindKVCache):
+            runner.bind_kv_cache(message.layout, prefault=message.prefault)
+        elif isinstance(message, RunStep):
+            runner.execute(ModelInput(message.sequences), message.plan)
+        else:
+            raise TypeError(f"unknown message from the driver: {type(message).__name__}")
