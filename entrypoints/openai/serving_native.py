@@ -115,8 +115,7 @@ class NativeServing:
         return {"model_path": None, "tokenizer_path": None, "served_model_name": ctx.model_name,
                 "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
                 "has_image_understanding": False, "has_audio_understanding": False,
-                "max_model_len": ctx.max_model_len, "dtype": config.dtype if isinstance(config.dtype, str) else
-                str(config.dtype)}
+                "max_model_len": ctx.max_model_len, "dtype": str(config.dtype)}
 
     def server_info(self) -> dict:
         from hybridkv.entrypoints.openai.api_server import server_version
