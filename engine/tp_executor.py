@@ -96,6 +96,7 @@ class WorkerGroup:
         # runs at exit); the callback holds the process list, not the group.
         self._finalizer = weakref.finalize(self, _kill_workers, self.processes)
         self.failure: RuntimeError | None = None
+        self.broadcast_seconds = 0.0  # rank 0 in the per-step broadcasts of the batch and plan
         try:
             self._wait_for_workers(store)
         except RuntimeError:
@@ -130,8 +131,10 @@ class WorkerGroup:
 
     def broadcast(self, message: BindKVCache | RunStep | Stop) -> None:
         """Send a message to every worker (tp_worker.receive on their side)."""
+        t0 = time.perf_counter()
         with self.watch():
             dist.broadcast_object_list([message], src=0)
+        self.broadcast_seconds += time.perf_counter() - t0
 
     @contextmanager
     def watch(self) -> Iterator[None]:

@@ -7,10 +7,20 @@ only (on the meta device) gets one too and never runs a collective.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class CommTime:
+    """Seconds this rank spent in the forward's collectives, and how many it ran (what
+    benchmarks/tensor_parallel.py reports per step)."""
+
+    seconds: float = 0.0
+    calls: int = 0
 
 
 @dataclass(frozen=True)
@@ -19,6 +29,7 @@ class TensorParallel:
 
     rank: int
     size: int
+    comm: CommTime = field(default_factory=CommTime, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -31,16 +42,25 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's partial `x` (a row-parallel layer's output), in place."""
         x = x.contiguous()
+        t0 = time.perf_counter()
         dist.all_reduce(x)
+        self._count(t0)
         return x
+
+    def _count(self, started: float) -> None:
+        self.comm.seconds += time.perf_counter() - started
+        self.comm.calls += 1
 
     def gather_vocab(self, local_logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """Every rank's logits columns joined on rank 0 ([N, vocab_size]); None on the other ranks.
         Each rank holds the same padded number of columns (layout.VocabShard), the padding is cut."""
         local_logits = local_logits.contiguous()
+        t0 = time.perf_counter()
         if self.rank == 0:
             parts = [torch.empty_like(local_logits) for _ in range(self.size)]
             dist.gather(local_logits, parts, dst=0)
+            self._count(t0)
             return torch.cat(parts, dim=-1)[..., :vocab_size]
         dist.gather(local_logits, None, dst=0)
+        self._count(t0)
         return None
