@@ -67,6 +67,7 @@ class Fleet:
     health_check_interval_s: int = 1
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     replica_urls: list[str] = field(default_factory=list)
+    commands: dict[str, list[str]] = field(default_factory=dict)  # how each replica was started
 
     @property
     def url(self) -> str:
@@ -87,6 +88,7 @@ class Fleet:
                 port = free_port()
                 cmd = [sys.executable, "-m", "hybridkv", "serve", *([self.model] if self.model else []),
                        "--port", str(port), *storage, *self.serve_args]
+                self.commands[f"replica {i}"] = cmd
                 self.processes[f"replica {i}"] = subprocess.Popen(cmd)
                 self.replica_urls.append(f"http://127.0.0.1:{port}")
             for i, url in enumerate(self.replica_urls):
@@ -103,6 +105,22 @@ class Fleet:
         logger.info("fleet up: router %s (%s) over %s; storage %s", self.url, self.policy,
                     ", ".join(self.replica_urls), self.redis_url)
         return self
+
+    def restart_replica(self, i: int) -> None:
+        """Stop replica i (if it still runs) and start it again on its port: it comes back with
+        empty device and host caches and warms from the shared store; the router takes it back
+        at its next health check."""
+        name = f"replica {i}"
+        process = self.processes[name]
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes[name] = subprocess.Popen(self.commands[name])
+        self._wait(name, f"{self.replica_urls[i]}/health")
 
     def _start_redis(self) -> None:
         server = _program("redis-server", "apt-get install -y redis-server, or pass --redis-url")

@@ -92,3 +92,78 @@ def test_a_fleet_shares_prefixes_through_redis_and_survives_losing_a_replica(fle
     for c in range(4):  # every new routed request succeeds
         text, _ = _chat(fleet.url, [{"role": "user", "content": f"after the loss {c}"}])
         assert text is not None
+
+
+def _wait_for_keys(url: str, at_least: int, timeout: float = 20) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        deadline = time.monotonic() + timeout
+        while client.dbsize() < at_least:
+            assert time.monotonic() < deadline, f"Redis holds {client.dbsize()} keys, expected {at_least}"
+            time.sleep(0.1)
+    finally:
+        client.close()
+
+
+def _num_keys(url: str) -> int:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        return client.dbsize()
+    finally:
+        client.close()
+
+
+def _doc(tag: str) -> str:
+    return " ".join(f"{tag} fact {i}: hybrid attention keeps long contexts cheap." for i in range(10))
+
+
+def test_a_fleet_keeps_serving_through_a_redis_outage_and_a_replica_restart(tiny_ckpt, redis_server):
+    """Redis killed: every routed request still succeeds (reads miss, writes drop); Redis back
+    (empty): a prefix one replica computes is again a hit on the other; a replica restarted with
+    empty caches gets its prefix hits from Redis and the router takes it back."""
+    require_program("sglang-router", "pip install sglang-router")
+    fleet = Fleet(tiny_ckpt("llama"), replicas=2, port=free_port(), redis_url=redis_server.url, serve_args=SERVE)
+    fleet.start()
+    try:
+        a, b = fleet.replica_urls
+        redis_server.kill()
+        for i in range(4):
+            text, _ = _chat(fleet.url, [{"role": "user", "content": f"during the outage {i}"}])
+            assert text is not None
+        redis_server.start()  # same port, empty
+        params = {"model": "tiny", "max_tokens": 2, "temperature": 0}
+        deadline = time.monotonic() + 20
+        while True:  # the replica's backend reconnects after its down-backoff
+            first = _post(f"{a}/v1/completions", {**params, "prompt": _doc(f"back {time.monotonic():.3f}")})
+            pages = first["usage"]["prompt_tokens"] // 16
+            try:
+                _wait_for_keys(redis_server.url, pages, timeout=3)
+                break
+            except AssertionError:
+                assert time.monotonic() < deadline, "replica A never wrote to Redis after it came back"
+        doc = _doc("shared")
+        before = _num_keys(redis_server.url)
+        first = _post(f"{a}/v1/completions", {**params, "prompt": doc})
+        _wait_for_keys(redis_server.url, before + first["usage"]["prompt_tokens"] // 16)
+        # A replica that failed a store call during the outage skips the store for its backend's
+        # down_backoff_s (1 s by default) before it tries again.
+        time.sleep(2.5)
+        second = _post(f"{b}/v1/completions", {**params, "prompt": doc})
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, "no hit on B after Redis came back"
+        assert second["choices"][0]["text"] == first["choices"][0]["text"]
+
+        fleet.restart_replica(1)  # empty caches: its hit comes from Redis
+        again = _post(f"{b}/v1/completions", {**params, "prompt": doc})
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, "the restarted replica did not warm from Redis"
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        for i in range(4):  # routed requests keep succeeding with the replica back
+            text, _ = _chat(fleet.url, [{"role": "user", "content": f"after the restart {i}"}])
+            assert text is not None
+    finally:
+        fleet.stop()
+        left = [n for n, p in fleet.processes.items() if p.poll() is None]
+        assert not left, f"processes left running after the fleet stopped: {left}"
