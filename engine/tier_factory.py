@@ -3,7 +3,6 @@
 KV cache manager reads ahead from and writes behind to)."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 
@@ -35,22 +34,6 @@ def wire_tiers(config: EngineConfig, kv: KVCacheManager, runner: ModelRunner, ho
     return storage
 
 
-def storage_extra_config(config: EngineConfig) -> dict:
-    """hicache_storage_backend_extra_config as a dict (it may come as JSON text from the CLI)."""
-    extra = config.hicache_storage_backend_extra_config
-    if isinstance(extra, str):
-        try:
-            extra = json.loads(extra) if extra.strip() else {}
-        except json.JSONDecodeError as e:
-            raise ValueError(f"hicache_storage_backend_extra_config is not valid JSON: {e}") from None
-    extra = dict(extra or {})
-    if config.hicache_storage_backend == "file":  # beside the demo model, under HYBRIDKV_CACHE_DIR
-        from hybridkv.model_executor.demo_model import default_cache_dir
-
-        extra.setdefault("dir", config.hicache_storage_dir or os.path.join(default_cache_dir(), "kv_store"))
-    return extra
-
-
 def make_storage_tier(config: EngineConfig, kv: KVCacheManager, runner: ModelRunner, model_dir: str,
                       specs: list[SpaceSpec]) -> StorageTier:
     """The L3 store under the host tier: pages are named by hash chains seeded with this
@@ -59,7 +42,13 @@ def make_storage_tier(config: EngineConfig, kv: KVCacheManager, runner: ModelRun
     fp = kv_fingerprint(model_dir, str(runner.dtype), kv.page_size, specs, runner.host_cache.page_layout,
                         tp_rank=parallel.rank if parallel is not None else 0,
                         tp_size=parallel.size if parallel is not None else 1)
-    backend = make_backend(config.hicache_storage_backend, storage_extra_config(config))
+    # The file store's directory defaults to beside the demo model, under HYBRIDKV_CACHE_DIR; the
+    # extra config (JSON text from the CLI, or a dict) overrides it (make_backend parses both).
+    from hybridkv.model_executor.demo_model import default_cache_dir
+
+    store_dir = config.hicache_storage_dir or os.path.join(default_cache_dir(), "kv_store")
+    backend = make_backend(config.hicache_storage_backend, config.hicache_storage_backend_extra_config,
+                           defaults={"dir": store_dir})
     kv.index.chain_seed = fp.seed
     logger.info("storage tier (HiCache L3): backend=%s prefetch=%s fingerprint=%s",
                 config.hicache_storage_backend, config.hicache_storage_prefetch_policy, fp.seed.hex()[:16])

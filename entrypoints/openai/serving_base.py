@@ -9,6 +9,7 @@ synchronous and say so.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import time
@@ -290,11 +291,22 @@ async def send_stream(sse, gen: "Generation", model: str, object_name: str, opts
     def usage() -> dict | None:
         return gen.usage() if opts.continuous_usage_stats else None
 
-    try:
+    async def events() -> AsyncIterator[dict]:
         async for choice in choices():
-            await sse.send(stream_chunk(gen, model, object_name, [choice], usage()))
+            yield stream_chunk(gen, model, object_name, [choice], usage())
         if opts.include_usage:
-            await sse.send(stream_chunk(gen, model, object_name, [], gen.usage()))
+            yield stream_chunk(gen, model, object_name, [], gen.usage())
+
+    return await send_events(sse, events())
+
+
+async def send_events(sse, events: AsyncIterator[dict]):
+    """Each event as one SSE data line, then [DONE]. A failure after the status line went out
+    becomes one error event; a client that went away ends the stream quietly."""
+    try:
+        async with contextlib.aclosing(events):  # closed (its requests' iteration ended) on every exit
+            async for event in events:
+                await sse.send(event)
     except ConnectionError:
         return sse.response
     except Exception as e:  # noqa: BLE001 - reported in-stream; the status line is already sent

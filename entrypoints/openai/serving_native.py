@@ -23,7 +23,7 @@ from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
 from hybridkv.entrypoints.openai.errors import bad_request
 from hybridkv.entrypoints.openai.protocol import MAX_N, _Body, json_type
 from hybridkv.entrypoints.openai.serving_base import (
-    ChoiceState, Generation, PromptInput, ServingContext, stream_error,
+    ChoiceState, Generation, PromptInput, ServingContext, send_events,
 )
 from hybridkv.entrypoints.openai.sse import SSEStream
 
@@ -183,21 +183,12 @@ class NativeServing:
         far (the index says which choice), then [DONE]."""
         sse = SSEStream(request)
         await sse.start()
-        try:
+
+        async def events():
             async for i, out in gen.outputs():
                 for o in out.outputs:
                     c = gen.choice(i, o)
-                    if not o.text and not o.token_ids and o.finish_reason is None:
-                        continue
-                    await sse.send({**self._result(gen, c, t0), "index": c.index})
-        except ConnectionError:
-            return sse.response
-        except Exception as e:  # noqa: BLE001 - reported in-stream; the status line is already sent
-            try:
-                await sse.send_error(stream_error(e))
-            except ConnectionError:
-                return sse.response
-        try:
-            return await sse.done()
-        except ConnectionError:
-            return sse.response
+                    if o.text or o.token_ids or o.finish_reason is not None:
+                        yield {**self._result(gen, c, t0), "index": c.index}
+
+        return await send_events(sse, events())
