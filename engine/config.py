@@ -156,14 +156,10 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}")
         if n == 1:
             return
-        unsupported = [name for name, on in (
-            ("enable_hierarchical_cache (the host tier)", self.enable_hierarchical_cache),
-            ("hicache_storage_backend (the storage tier)", self.hicache_storage_backend is not None),
-            ("enable_hisparse", self.enable_hisparse),
-        ) if on]
-        if unsupported:
-            raise ValueError(f"{', '.join(unsupported)} not supported yet with tensor_parallel_size > 1 "
-                             f"(got tensor_parallel_size={n})")
+        if self.hicache_storage_backend is not None:
+            raise ValueError(f"hicache_storage_backend (the storage tier) is not supported yet with "
+                             f"tensor_parallel_size > 1 (got tensor_parallel_size={n}); the host tier "
+                             "(enable_hierarchical_cache) and HiSparse are")
 
 
 @dataclass(frozen=True)

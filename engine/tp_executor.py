@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 from hybridkv.engine.config import EngineConfig
-from hybridkv.engine.tp_worker import BindKVCache, RunStep, Stop, WorkerSpec, started_key, worker_main
+from hybridkv.engine.tp_worker import (
+    BindHostCache, BindKVCache, Message, RunCopies, RunStep, Stop, WorkerSpec, started_key, worker_main,
+)
 from hybridkv.block_manager.kv_plan import KVCacheLayout, KVPlan, TierTransfers
 from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
 from hybridkv.model_executor.model_runner import ModelRunner, ModelSkeleton, RunnerOutput
@@ -129,7 +131,7 @@ class WorkerGroup:
         return (f"tensor parallel: size {self.size} on {self.backend}; {ranks}; {self.threads} torch thread(s) "
                 f"per rank of {available_cores()} core(s)")
 
-    def broadcast(self, message: BindKVCache | RunStep | Stop) -> None:
+    def broadcast(self, message: Message) -> None:
         """Send a message to every worker (tp_worker.receive on their side)."""
         t0 = time.perf_counter()
         with self.watch():
@@ -199,14 +201,18 @@ def _kill_workers(processes: list[multiprocessing.process.BaseProcess]) -> None:
 
 
 class TensorParallelRunner:
-    """Rank 0's ModelRunner in front of the workers: the engine calls it as its runner. Steps
-    and the KV layout are broadcast before rank 0 runs them; everything else (introspection, the
-    sampler, the step cost) is rank 0's runner's alone. Decode bursts and tier copies do not run
-    under tensor parallelism (the fused decode has no all-reduce; tiers are refused)."""
+    """Rank 0's ModelRunner in front of the workers: the engine calls it as its runner. The KV
+    layouts, steps and tier copies are broadcast before rank 0 runs them, so every rank executes
+    the driver's one plan on its own KV shard and host buffers; everything else (introspection,
+    the sampler, the step cost, the tiers' counters) is rank 0's runner's alone. Decode bursts do
+    not run under tensor parallelism (the fused decode has no all-reduce)."""
 
     def __init__(self, driver: ModelRunner, workers: WorkerGroup) -> None:
         self.driver = driver
         self.workers = workers
+        # Requests that left since the last message: the workers empty their HiSparse hot-buffer
+        # rows with the next step or copies (nothing runs on a worker in between).
+        self._released: list[str] = []
 
     def __getattr__(self, name: str):
         return getattr(self.driver, name)
@@ -215,8 +221,23 @@ class TensorParallelRunner:
         self.workers.broadcast(BindKVCache(layout, prefault))
         self.driver.bind_kv_cache(layout, prefault=prefault)
 
+    def bind_host_cache(self, host_pages: dict[str, int], mem_layout: str) -> None:
+        self.workers.broadcast(BindHostCache(host_pages, mem_layout))
+        self.driver.bind_host_cache(host_pages, mem_layout)
+
+    def release_requests(self, request_ids) -> None:
+        ids = list(request_ids)
+        if ids and self.driver.hot_buffers is not None:
+            self._released += ids
+        self.driver.release_requests(ids)
+
+    def _take_released(self) -> list[str]:
+        released, self._released = self._released, []
+        return released
+
     def execute(self, batch: ModelInput, plan: KVPlan) -> RunnerOutput:
-        self.workers.broadcast(RunStep([worker_view(s) for s in batch.sequences], step_plan(plan, batch, self.driver.layout.page_size)))
+        self.workers.broadcast(RunStep([worker_view(s) for s in batch.sequences],
+                                       step_plan(plan, batch, self.driver.layout.page_size), self._take_released()))
         with self.workers.watch():
             return self.driver.execute(batch, plan)
 
@@ -227,8 +248,10 @@ class TensorParallelRunner:
         return None
 
     def run_copies(self, copies: TierTransfers, defer_loads: bool = False) -> None:
-        if not copies.empty:
-            raise RuntimeError("tier copies are not supported with tensor_parallel_size > 1")
+        if copies.empty:
+            return
+        self.workers.broadcast(RunCopies(copies, self._take_released()))
+        self.driver.run_copies(copies, defer_loads=defer_loads)
 
     def shutdown(self) -> None:
         self.workers.close(graceful=True)

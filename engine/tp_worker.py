@@ -3,7 +3,9 @@
 The driver (rank 0, the engine's process) owns the scheduler and the KV cache manager; a worker
 owns only its model shard and its KV shard. It joins the process group, loads its slices of the
 checkpoint, then executes what the driver broadcasts (torch.distributed.broadcast_object_list):
-the KV layout once, then every step's sequences and KV plan, until it is told to stop. Each
+the KV layout (and the host tier's, when there is one) once, then every step's sequences and KV
+plan and the tier copies decided between steps, until it is told to stop. Every rank thus runs
+the same copies on its own KV shard and host buffers, from the driver's one plan. Each
 forward's all-reduces and the logits gather pair it with the other ranks step by step.
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hybridkv.block_manager.kv_plan import KVCacheLayout, KVPlan
+from hybridkv.block_manager.kv_plan import KVCacheLayout, KVPlan, TierTransfers
 from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
 from hybridkv.model_executor.model_runner import ModelRunner
 from hybridkv.model_executor.parallel.state import TensorParallel
@@ -52,11 +54,32 @@ class BindKVCache:
 
 
 @dataclass(frozen=True)
+class BindHostCache:
+    """Allocate the host tier's page buffers (HiCache L2) for this rank's KV shard, the driver's
+    page counts and layout: the driver's plan then names the same host pages on every rank."""
+
+    host_pages: dict[str, int]
+    mem_layout: str
+
+
+@dataclass(frozen=True)
 class RunStep:
-    """One forward: the step's sequences (plain ScheduledSequences, no engine objects) and its plan."""
+    """One forward: the step's sequences (plain ScheduledSequences, no engine objects) and its plan
+    (whose tier copies run first, as on the driver). released: requests that left the device
+    since the last message (their HiSparse hot-buffer rows are emptied before the step)."""
 
     sequences: list[ScheduledSequence]
     plan: KVPlan
+    released: list[str]
+
+
+@dataclass(frozen=True)
+class RunCopies:
+    """Tier copies decided between steps (write-through, write-back of evicted pages, load-backs
+    of a swap-in), run now on this rank's shard; released as in RunStep."""
+
+    copies: TierTransfers
+    released: list[str]
 
 
 @dataclass(frozen=True)
@@ -64,7 +87,10 @@ class Stop:
     """Leave the loop and the process group."""
 
 
-def receive() -> BindKVCache | RunStep | Stop:
+Message = BindKVCache | BindHostCache | RunStep | RunCopies | Stop
+
+
+def receive() -> Message:
     """The driver's next message (every rank calls this with the driver's send: one broadcast)."""
     box: list = [None]
     dist.broadcast_object_list(box, src=0)
@@ -112,7 +138,23 @@ def serve(runner: ModelRunner) -> None:
             return
         if isinstance(message, BindKVCache):
             runner.bind_kv_cache(message.layout, prefault=message.prefault)
+        elif isinstance(message, BindHostCache):
+            runner.bind_host_cache(message.host_pages, message.mem_layout)
         elif isinstance(message, RunStep):
+            release(runner, message.released)
             runner.execute(ModelInput(message.sequences), message.plan)
+        elif isinstance(message, RunCopies):
+            release(runner, message.released)
+            runner.run_copies(message.copies)
         else:
             raise TypeError(f"unknown message from the driver: {type(message).__name__}")
+
+
+def release(runner: ModelRunner, request_ids: list[str]) -> None:
+    """Empty the HiSparse hot-buffer rows of requests that left, and drop their hit counters:
+    only the driver reports per-request counts, a worker's would only accumulate."""
+    runner.release_requests(request_ids)
+    buffers = runner.hot_buffers
+    if buffers is not None:
+        for rid in request_ids:
+            buffers.forget(rid)
