@@ -154,12 +154,6 @@ class EngineConfig:
         n = self.tensor_parallel_size
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}")
-        if n == 1:
-            return
-        if self.hicache_storage_backend is not None:
-            raise ValueError(f"hicache_storage_backend (the storage tier) is not supported yet with "
-                             f"tensor_parallel_size > 1 (got tensor_parallel_size={n}); the host tier "
-                             "(enable_hierarchical_cache) and HiSparse are")
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,8 @@ def make_storage_tier(config: EngineConfig, kv: KVCacheManager, runner: ModelRun
                       specs: list[SpaceSpec]) -> StorageTier:
     """The L3 store under the host tier: pages are named by hash chains seeded with this
     configuration's KV fingerprint (set on the index before any node exists)."""
-    parallel = runner.parallel  # each rank stores its own KV shard: the rank is part of the pages' identity
+    parallel = runner.parallel  # a stored page holds every rank's shard: the group's size is part of its identity
     fp = kv_fingerprint(model_dir, str(runner.dtype), kv.page_size, specs, runner.host_cache.page_layout,
-                        tp_rank=parallel.rank if parallel is not None else 0,
                         tp_size=parallel.size if parallel is not None else 1)
     # The file store's directory defaults to beside the demo model, under HYBRIDKV_CACHE_DIR; the
     # extra config (JSON text from the CLI, or a dict) overrides it (make_backend parses both).
@@ -52,4 +51,4 @@ def make_storage_tier(config: EngineConfig, kv: KVCacheManager, runner: ModelRun
     kv.index.chain_seed = fp.seed
     logger.info("storage tier (HiCache L3): backend=%s prefetch=%s fingerprint=%s",
                 config.hicache_storage_backend, config.hicache_storage_prefetch_policy, fp.seed.hex()[:16])
-    return StorageTier(backend, kv, runner.host_cache, fp, config.hicache_storage_prefetch_policy)
+    return StorageTier(backend, kv, runner.stored_host_pages(), fp, config.hicache_storage_prefetch_policy)

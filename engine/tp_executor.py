@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.tp_host_pages import GroupHostPages
 from hybridkv.engine.tp_worker import (
     BindHostCache, BindKVCache, Message, RunCopies, RunStep, Stop, WorkerSpec, started_key, worker_main,
 )
@@ -246,6 +247,10 @@ class TensorParallelRunner:
 
     def execute_burst(self, batch: ModelInput, steps: int, plan: KVPlan) -> None:
         return None
+
+    def stored_host_pages(self) -> GroupHostPages:
+        """Every rank's host pages, as one stored value per page (engine/tp_host_pages.py)."""
+        return GroupHostPages(self.workers, self.driver.host_cache)
 
     def run_copies(self, copies: TierTransfers, defer_loads: bool = False) -> None:
         if copies.empty:

@@ -83,11 +83,29 @@ class RunCopies:
 
 
 @dataclass(frozen=True)
+class ReadHostPages:
+    """Send the bytes of these host pages of one space to the driver (a gather follows): the
+    storage tier stores every rank's shard of a page as one value (engine/tp_host_pages.py)."""
+
+    space: str
+    pages: list[int]
+
+
+@dataclass(frozen=True)
+class WriteHostPages:
+    """Fill these host pages of one space with this rank's part of pages read from the storage
+    tier (a scatter follows with the bytes)."""
+
+    space: str
+    pages: list[int]
+
+
+@dataclass(frozen=True)
 class Stop:
     """Leave the loop and the process group."""
 
 
-Message = BindKVCache | BindHostCache | RunStep | RunCopies | Stop
+Message = BindKVCache | BindHostCache | RunStep | RunCopies | ReadHostPages | WriteHostPages | Stop
 
 
 def receive() -> Message:
@@ -146,6 +164,12 @@ def serve(runner: ModelRunner) -> None:
         elif isinstance(message, RunCopies):
             release(runner, message.released)
             runner.run_copies(message.copies)
+        elif isinstance(message, ReadHostPages):
+            dist.gather_object(runner.host_cache.read_pages(message.space, message.pages), None, dst=0)
+        elif isinstance(message, WriteHostPages):
+            mine: list = [None]
+            dist.scatter_object_list(mine, None, src=0)
+            runner.host_cache.write_pages(message.space, message.pages, mine[0])
         else:
             raise TypeError(f"unknown message from the driver: {type(message).__name__}")
 

@@ -277,6 +277,10 @@ class ModelRunner:
             layout=mem_layout, pin_memory=self.device.type == "cuda",
         )
 
+    def stored_host_pages(self) -> HostKVCache:
+        """The host pages a storage tier reads and fills (block_manager/storage_tier.HostPages)."""
+        return self.host_cache
+
     def run_copies(self, copies: TierTransfers, defer_loads: bool = False) -> None:
         """Execute tier copies (the order is kv_plan.py's TierTransfers'). defer_loads: the
         load-backs are left to the next forward, which waits for each layer's pages as it reaches

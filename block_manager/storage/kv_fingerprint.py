@@ -4,7 +4,8 @@ A storage tier shared by processes (files, Redis) names pages by a hash chain se
 (block_manager/page_keys.py) and checks it in every stored value's header, so a process never
 reads pages another configuration wrote: model identity (config.json and the weight files'
 contents), dtype, page size, each block space (name, compression, bytes per slot, window) and
-its byte layout, and the tensor-parallel rank and size.
+its byte layout, and the tensor-parallel size (under tensor parallelism one stored value holds
+a page of every rank's KV shard, so a page's identity is the group's, not one rank's).
 """
 from __future__ import annotations
 
@@ -39,11 +40,12 @@ def model_digest(model_dir: str) -> bytes:
 
 def kv_fingerprint(
     model_dir: str, dtype: str, page_size: int, specs: list[SpaceSpec], page_layout: dict[str, list],
-    tp_rank: int = 0, tp_size: int = 1,
+    tp_size: int = 1,
 ) -> KVFingerprint:
-    """page_layout: space -> [(dtype, page slice shape)] of its tensors (HostKVCache.page_layout)."""
+    """page_layout: space -> [(dtype, page slice shape)] of its tensors (HostKVCache.page_layout),
+    one rank's; tp_size: the ranks whose shards a stored page holds, in rank order."""
     base = {
-        "model": model_digest(model_dir).hex(), "dtype": dtype, "page_size": page_size, "tp": [tp_rank, tp_size],
+        "model": model_digest(model_dir).hex(), "dtype": dtype, "page_size": page_size, "tp_size": tp_size,
         "spaces": [[s.name, s.tokens_per_slot, s.bytes_per_slot, s.window, s.ring, s.align, page_layout[s.name]] for s in specs],
     }
     seed = hashlib.sha256(json.dumps(base, sort_keys=True).encode()).digest()

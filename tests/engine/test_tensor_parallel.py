@@ -137,7 +137,6 @@ def test_one_rank_starts_no_process_and_no_process_group(tiny_ckpt):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(enable_hierarchical_cache=True, hicache_storage_backend="file"), "hicache_storage_backend"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be"),
 ])
 def test_unsupported_settings_are_refused_before_any_process_starts(tiny_ckpt, kwargs, match):

@@ -6,7 +6,10 @@ Invariants checked:
   gives the no-cache run's greedy tokens and logprobs, with two ranks as with one;
 - swap preemption under a tiny device budget gives the unconstrained single-process outputs,
   each resume loading its pages back from every rank's host buffers, nothing recomputed;
-- the storage tier is refused with tensor parallelism, naming what is supported;
+- the storage tier (file backend) stores one value per page holding every rank's shard: a
+  second two-rank engine on the same store serves the prefix from storage with the no-cache
+  run's outputs, while a single-process engine on that store gets no hit (the group's size is
+  part of the KV fingerprint);
 - no worker process outlives its engine.
 """
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch.distributed as dist
 
 from host_tier_helpers import assert_host_hit_at_every_boundary
 from hybridkv.entrypoints import LLM, SamplingParams
-from prefix_hit_helpers import run_one
+from prefix_hit_helpers import LOGPROB_ATOL, run_one, sampled_logprobs
 
 
 def _prompt(n: int, vocab: int, seed: int) -> list[int]:
@@ -72,8 +75,34 @@ def test_swap_preemption_with_two_ranks_equals_unconstrained(tiny_ckpt, engines)
     assert sched.num_recomputed_after_preemption == 0
 
 
-def test_storage_tier_is_refused_naming_what_is_supported(tiny_ckpt):
-    with pytest.raises(ValueError, match="hicache_storage_backend .* not supported yet .* the host tier"):
-        LLM(tiny_ckpt("llama"), dtype="float32", tensor_parallel_size=2, enable_hierarchical_cache=True,
-            hicache_storage_backend="file")
-    assert not multiprocessing.active_children()
+def _file_llm(path: str, store: str, tp: int) -> LLM:
+    return LLM(path, dtype="float32", max_model_len=256, enable_hierarchical_cache=True,
+               hicache_storage_backend="file", hicache_storage_dir=store,
+               hicache_storage_prefetch_policy="wait_complete", tensor_parallel_size=tp)
+
+
+def test_storage_hits_across_two_rank_engines_and_none_for_one_rank(tiny_ckpt, engines, tmp_path):
+    path = tiny_ckpt("llama", num_key_value_heads=4)
+    ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    prompt = _prompt(100, ref.engine.runner.config.vocab_size, seed=3)
+    want = run_one(ref, prompt, 10)
+    first = _file_llm(path, str(tmp_path), 2)
+    engines(first)
+    assert run_one(first, prompt, 10).outputs[0].token_ids == want.outputs[0].token_ids
+    first.engine.storage.drain()
+    assert first.engine.storage.stats.writes_queued > 0
+    first.shutdown()
+
+    second = _file_llm(path, str(tmp_path), 2)  # a new group: empty device and host on every rank
+    engines(second)
+    out = run_one(second, prompt, 10)
+    assert out.metrics["prompt_tokens_from_storage"] == 96, out.metrics
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids, "a storage hit under tensor parallelism changed the tokens"
+    torch.testing.assert_close(torch.tensor(sampled_logprobs(out)), torch.tensor(sampled_logprobs(want)),
+                               atol=LOGPROB_ATOL, rtol=0)
+    second.shutdown()
+
+    single = _file_llm(path, str(tmp_path), 1)
+    out = run_one(single, prompt, 2)
+    assert out.num_cached_tokens == 0, "a single process read pages a two-rank group stored"
+    assert single.engine.storage.stats.corrupt_values == 0, "keys should differ, not only headers"
