@@ -33,6 +33,8 @@ setup(
         "tqdm",
         "aiohttp",
         "prometheus-client",  # GET /metrics of `hybridkv serve`
+        "pyzmq",  # KV cache events for KV-aware routers (kv_events_config), on vLLM's transport
+        "msgspec",  # ... in vLLM's encoding (array-like msgpack structs)
         "gguf",  # converts the built-in demo model's GGUF to a HF folder
         "jinja2",
         "ninja",  # builds the CPU kernels (attention_backends/ and model_executor/cpu_kernels) with the system g++

@@ -26,8 +26,8 @@ from hybridkv.block_manager.shadow_node import TOMBSTONE, ShadowNode
 class IndexEviction:
     """Eviction queues, tail points and `evict`. Uses the index's spaces, whole/windows, policy,
     tier, the evictable ledger, _clock, _nodes, first_window_page, _ledger_add, _on_device,
-    _is_dead_leaf, _delete, and with a host tier the host queues, _demote, _wants_host_copy and
-    _write."""
+    _is_dead_leaf, _delete, _note (KV cache events), and with a host tier the host queues,
+    _demote, _wants_host_copy and _write."""
 
     def _init_queues(self) -> None:
         self._unlocked = EvictionQueue(self.policy)
@@ -192,12 +192,15 @@ class IndexEviction:
         self._ledger_add(node, space, -1)
         node.shadows[space] = TOMBSTONE
         self.spaces[space].remove_from_index(page)
+        self._note(node)
 
     def clear(self) -> int:
         """Drop every node no request holds (reset_prefix_cache). Returns nodes dropped."""
         before = len(self._nodes)
         while (leaf := self._first_leaf()) is not None:
             self._delete(leaf)
+        if not self._nodes:
+            self._note_cleared()
         return before - len(self._nodes)
 
     def _check_queues(self) -> None:

@@ -35,7 +35,7 @@ class IndexHostTier:
     """Host copies of node shadows: writes, demotion, host eviction, load-back, storage reads.
     Uses the index's spaces, whole/windows, policy, chain_seed, _nodes, _seq, _root, _key,
     first_window_page, _ledger_add, _on_device, _sync, _touch, _update_tail_point, _drop_device,
-    _is_dead_leaf and _delete."""
+    _is_dead_leaf, _delete and _note (KV cache events)."""
 
     def _init_host_tier(self, host_tier: HostTier | None) -> None:
         """Set up the host-tier state: the host queues join the eviction queues a deleted node leaves."""
@@ -113,6 +113,7 @@ class IndexHostTier:
             self.tier.stats.write_failures += 1
             return False
         node.host[space] = h
+        self._note(node)
         self.tier.transfers.write(space, node.shadows[space], h)
         self.tier.stats.written_pages[space] += 1
         if self.tier.storage_writes:
@@ -134,6 +135,7 @@ class IndexHostTier:
         node.host[space] = None
         self.tier.transfers.cancel_write(space, h)
         self.tier.pools[space].free(h)
+        self._note(node)
 
     def _demote(self, node: ShadowNode) -> bool:
         """Drop every device page of an unlocked node whose pages are (now) all on the host.
@@ -193,6 +195,7 @@ class IndexHostTier:
                     child.host[s] = host_pages.get(s, [None] * n)[j]
                 node.children[key] = child
                 self._nodes.add(child)
+                self._note(child)
                 self._update_tail_point(child)
                 self._update_tail_point(node)
                 if not node.is_root:
@@ -204,6 +207,7 @@ class IndexHostTier:
                         continue
                     if child.host[s] is None and child.shadows[s] is None:
                         child.host[s] = h  # heal a tombstone with the stored page
+                        self._note(child)
                     else:
                         unused.append((s, h))
             walked.append(child)
@@ -244,6 +248,7 @@ class IndexHostTier:
         self.spaces[space].add_to_index(device_page)
         node.shadows[space] = device_page
         self._ledger_add(node, space, +1)
+        self._note(node)
         self.tier.transfers.load(space, h, device_page)
         self.tier.stats.loaded_pages[space] += 1
         self._sync(node)

@@ -33,6 +33,7 @@ from hybridkv.block_manager.host_tier import HostTier
 from hybridkv.block_manager.shadow_index import ShadowIndex
 from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
 from hybridkv.block_manager.storage_tier import StorageTier
+from hybridkv.block_manager.kv_events import KVCacheEvent
 from hybridkv.block_manager.kv_plan import HotBufferShape, KVCacheLayout, KVPlan, TierTransfers
 from hybridkv.block_manager.request_pages import (
     PrefixHit, RequestPages, SwappedTail, TablePages, request_pages_needed, windowed_live_pages,
@@ -59,6 +60,7 @@ class KVCacheManager:
         load_back_threshold: int = 0,
         report_freed: bool = False,
         decode_publish_tokens: int = 128,
+        kv_events: bool = False,
     ) -> None:
         """max_pages_per_request / max_requests only size the block tables up front (they grow).
 
@@ -76,7 +78,9 @@ class KVCacheManager:
 
         host_pages: pages of the host tier (HiCache L2) per space; None = no host tier. A prefix
         hit whose load-back would be under load_back_threshold tokens is served from the device
-        pages alone (recomputing the rest is cheaper than the copy)."""
+        pages alone (recomputing the rest is cheaper than the copy).
+
+        kv_events: record KV cache events (kv_events.py) for take_kv_events(); needs prefix caching."""
         if page_size < 1:
             raise ValueError(f"block_size must be >= 1, got {page_size}")
         if host_pages is not None and not enable_prefix_caching:
@@ -101,7 +105,8 @@ class KVCacheManager:
         self.publish_pages = 1 if windowed else max(1, decode_publish_tokens // page_size)
         self._freed: list[str] | None = [] if report_freed else None
         self.index = (
-            ShadowIndex(self.spaces, page_size, EvictionPolicy(eviction_policy), windowed_match, self.host_tier)
+            ShadowIndex(self.spaces, page_size, EvictionPolicy(eviction_policy), windowed_match, self.host_tier,
+                        kv_events=kv_events)
             if enable_prefix_caching
             else None
         )
@@ -596,6 +601,10 @@ class KVCacheManager:
 
     def usage(self) -> dict[str, float]:
         return {name: s.usage() for name, s in self.spaces.items()}
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """KV cache events recorded since the last call ([] when they are off)."""
+        return self.index.take_events() if self.index is not None else []
 
     def reset_prefix_cache(self) -> int:
         return self.index.clear() if self.index is not None else 0

@@ -2,7 +2,7 @@
 
 A page's key is a SHA-256 chain: the root of a namespace is seeded with the KV fingerprint
 (everything that makes KV bytes differ: model identity, dtype, page size, block spaces and
-their layout, tensor-parallel rank/size) and the namespace (cache salt); each page hashes its
+their layout, tensor-parallel size) and the namespace (cache salt); each page hashes its
 parent's chain with its own token ids. So a key names one exact token prefix under one exact
 configuration: a process with another dtype or page size computes other keys and never reads
 this one's pages (SGLang #33268, #10969 served another configuration's KV for lack of this).

@@ -35,6 +35,8 @@ from hybridkv.block_manager.host_tier import HostTier
 from hybridkv.block_manager.index_eviction import IndexEviction
 from hybridkv.block_manager.index_host_tier import IndexHostTier
 from hybridkv.block_manager.index_locks import IndexLocks, LockReceipt
+from hybridkv.block_manager.index_events import IndexEvents
+from hybridkv.block_manager.kv_events import EVENT_CHAIN_SEED
 from hybridkv.block_manager.page_keys import next_chain, root_chain
 from hybridkv.block_manager.shadow_node import TOMBSTONE, ShadowNode
 from hybridkv.block_manager.space_spec import NULL_PAGE
@@ -73,7 +75,7 @@ class InsertResult:
     adopted: dict[str, list[int]]
 
 
-class ShadowIndex(IndexLocks, IndexEviction, IndexHostTier):
+class ShadowIndex(IndexLocks, IndexEviction, IndexHostTier, IndexEvents):
     def __init__(
         self,
         spaces: dict[str, BlockSpace],
@@ -82,12 +84,14 @@ class ShadowIndex(IndexLocks, IndexEviction, IndexHostTier):
         windowed_match: bool = True,
         host_tier: HostTier | None = None,
         chain_seed: bytes | None = None,
+        kv_events: bool = False,
     ) -> None:
         """windowed_match=False is the baseline that drops the whole prefix as soon as any
         windowed page on it is gone (kept for benchmarks and tests to compare against).
         host_tier: keep shadows on the host too (index_host_tier.py). chain_seed: give every
-        node the content key of its prefix (a storage tier names pages by it)."""
-        self.chain_seed = chain_seed
+        node the content key of its prefix (a storage tier names pages by it). kv_events: record
+        KV cache events (index_events.py; their hashes come from the content keys)."""
+        self.chain_seed = chain_seed if chain_seed is not None or not kv_events else EVENT_CHAIN_SEED
         self.spaces = spaces
         self.page_size = page_size
         self.policy = policy or EvictionPolicy()
@@ -106,6 +110,7 @@ class ShadowIndex(IndexLocks, IndexEviction, IndexHostTier):
         self.protected = {n: 0 for n in spaces}
         self._init_locks()
         self._init_queues()
+        self._init_events(kv_events)
         self._init_host_tier(host_tier)  # last: the attributes only a host tier adds follow the common ones
 
     @property
@@ -285,6 +290,7 @@ class ShadowIndex(IndexLocks, IndexEviction, IndexHostTier):
                     self.evictable[s] += 1  # a fresh node carries no lock yet
                 node.children[key] = child
                 self._nodes.add(child)
+                self._note(child)
                 if windows:
                     self._update_tail_point(child)
                     self._update_tail_point(node)
@@ -307,6 +313,7 @@ class ShadowIndex(IndexLocks, IndexEviction, IndexHostTier):
                         child.shadows[s] = mine
                         self._ledger_add(child, s, +1)
                         adopted.setdefault(s, []).append(i)
+                        self._note(child)
                         if tier is not None:  # host writes later in this insert read its host queues
                             self._sync(child)
                     else:
@@ -355,6 +362,7 @@ class ShadowIndex(IndexLocks, IndexEviction, IndexHostTier):
                 if h is not None:
                     self._free_host(node, s)
             self._forget(node)
+            self._note(node, deleted=True)
             parent = node.parent
             del parent.children[node.key]
             self._nodes.discard(node)

@@ -38,6 +38,7 @@ class ShadowNode:
     # host eviction leaves it alone until they are admitted, so a read is not lost to the reads
     # of the requests queued behind it. Device state is untouched (no device page is pinned).
     host_pins: int = 0
+    published: int = 0  # tiers KV cache events last said it is held on (index_events.py)
 
     @property
     def is_root(self) -> bool:

@@ -8,6 +8,7 @@ import torch
 
 from hybridkv.attention_backends.registry import validate_attention_backend_name
 from hybridkv.engine.gap_budget import check_step_seconds
+from hybridkv.engine.kv_event_publisher import KVEventsConfig
 
 
 def resolve_device(name: str) -> torch.device:
@@ -95,6 +96,8 @@ class EngineConfig:
     # the full C4 history is a host mirror charged to host memory, not to kv_cache_memory_bytes.
     enable_hisparse: bool = False
     hisparse_config: str | dict | None = None  # JSON or dict: {"hot_buffer_size": ..., "mirror_bytes": ...}
+    # KV cache events for a KV-aware router (vLLM's kv_events_config; engine/kv_event_publisher.py).
+    kv_events_config: str | dict | None = None
     # Greedy decode steps per model call (vLLM's name): a step of plain greedy decodes, with
     # nobody waiting and no tier below the device, runs up to this many steps in one C++ call
     # (engine/decode_burst.py). None = 8 without a step target (offline), 1 with one or under the
@@ -148,6 +151,8 @@ class EngineConfig:
             raise ValueError("hisparse_config is given but enable_hisparse is False")
         if self.enable_hisparse:
             HiSparseConfig.parse(self.hisparse_config)  # a bad config fails before the model loads
+        if KVEventsConfig.parse(self.kv_events_config) is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_events_config reports the prefix cache's pages: set enable_prefix_caching=True")
 
 
     def _check_tensor_parallel(self) -> None:

@@ -11,6 +11,7 @@ import itertools
 import logging
 import os
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from hybridkv.block_manager.kv_cache_manager import KVCacheManager
 from hybridkv.engine.config import EngineConfig, resolve_device
 from hybridkv.engine.decode_burst import burst_limit
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
+from hybridkv.engine.kv_event_publisher import KVEventsConfig, make_publisher
 from hybridkv.engine.kv_memory_plan import log_kv_cache_bytes, plan_kv_memory
 from hybridkv.engine.outputs import Logprob, PositionLogprobs, RequestOutput
 from hybridkv.engine.prompts import PromptType, as_token_ids, is_token_array, tokenize_prompt, validate_prompt
@@ -90,6 +92,7 @@ class LLMEngine:
         self.eos_token_ids = set(self.generation_defaults.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
+        kv_events_config = KVEventsConfig.parse(config.kv_events_config)
         self.kv = KVCacheManager(
             specs, memory.device_pages, self.block_size, config.enable_prefix_caching,
             config.eviction_policy, config.windowed_match,
@@ -98,11 +101,15 @@ class LLMEngine:
             host_pages=memory.host_pages, hicache_write_policy=config.hicache_write_policy,
             load_back_threshold=config.load_back_threshold,
             report_freed=self.hisparse is not None,  # the runner empties their hot-buffer rows
+            kv_events=kv_events_config is not None,
         )
         hs = self.hisparse  # its c4 mirror in host memory, hot buffers on the device
         layout = self.kv.layout(hs.host_spaces, hs.shape) if hs is not None else self.kv.layout()
         self.runner.bind_kv_cache(layout, prefault=bool(config.kv_cache_prefault))
         self.storage = wire_tiers(config, self.kv, self.runner, memory.host_pages, model_dir, specs)
+        self.kv_event_publisher = make_publisher(kv_events_config)  # after the tiers: they seed the page hashes
+        if self.kv_event_publisher is not None:  # an engine dropped without shutdown() frees its endpoint
+            weakref.finalize(self, self.kv_event_publisher.close)
         # What was allocated, from the tensors: tier ("device" / "host") -> space -> bytes.
         self.kv_cache_bytes = self.runner.kv_cache_bytes()
         log_kv_cache_bytes(self.kv_cache_bytes)
@@ -231,6 +238,7 @@ class LLMEngine:
             if self.runner.hot_buffers is not None:
                 self.runner.hot_buffers.forget(req.request_id)
         self.executor.flush_copies()  # its pages' host copies, decided as it left
+        self._publish_kv_events()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -244,6 +252,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             self.executor.flush_copies()  # write-backs of pages evicted while nothing ran
+            self._publish_kv_events()
             if self.kv.waiting_for_reads():
                 self.kv.wait_for_reads()  # requests wait for their prefix reads: sleep until one lands
             return []
@@ -252,6 +261,7 @@ class LLMEngine:
         # Write-through of the pages this step completed, and of those that requests finishing
         # now published as they left (a decode's last pages are published at retire).
         self.executor.flush_copies()
+        self._publish_kv_events()
         outputs = [o for o in (self._make_output(g) for g in touched) if o is not None]
         # The whole step, as a stream sees it between two tokens (the latency target's unit).
         self.scheduler.observe_step(sched, (time.perf_counter() - t0) / len(results))
@@ -361,11 +371,20 @@ class LLMEngine:
             self.runner.hot_buffers.check_invariants()
 
     def reset_prefix_cache(self) -> int:
-        return self.kv.reset_prefix_cache()
+        dropped = self.kv.reset_prefix_cache()
+        self._publish_kv_events()
+        return dropped
+
+    def _publish_kv_events(self) -> None:
+        """Hand the KV cache events of the last step (or call) to the publisher, as one batch."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.kv.take_kv_events())
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with tensor_parallel_size=1). Garbage
         collection and interpreter exit stop them too."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
         if isinstance(self.runner, TensorParallelRunner):
             self.runner.shutdown()
             torch.set_num_threads(self._threads_before)  # the workers' cores are free again

@@ -133,6 +133,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     hs.add_argument("--hisparse-config", default=None,
                     help='JSON, e.g. \'{"hot_buffer_size": 1024, "mirror_bytes": 8589934592}\' '
                          "(hot_buffer_size default: 2 x the model's index_topk)")
+    p.add_argument("--kv-events-config", default=None,
+                   help='publish KV cache events (vLLM\'s format, ZeroMQ) for a KV-aware router: JSON, e.g. '
+                        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557"}\'')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -178,6 +181,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         device=args.device,
         enable_hisparse=args.enable_hisparse,
         hisparse_config=args.hisparse_config,
+        kv_events_config=args.kv_events_config,
     )
     return kwargs
 

@@ -30,6 +30,10 @@ class LLM:
     entries per CSA layer on the device (hisparse_config={"hot_buffer_size": entries, default
     2 x index_topk; "mirror_bytes": host memory for the full C4 history}); outputs are unchanged.
 
+    kv_events_config (vLLM's): publish KV cache events (pages stored / removed per tier) over
+    ZeroMQ for a KV-aware router, e.g. {"enable_kv_cache_events": true, "endpoint":
+    "tcp://127.0.0.1:5557"}; needs prefix caching.
+
     attention_backend: "auto" (default: "triton" on CUDA when triton imports, else "torch_native"),
     "torch_native", "triton" (CUDA, or CPU under TRITON_INTERPRET=1) or "xformers" (CUDA). One that
     cannot run here raises before the model loads, naming what is missing.
@@ -87,6 +91,7 @@ class LLM:
         dequantize_weights: bool | None = None,
         enable_hisparse: bool = False,
         hisparse_config: str | dict | None = None,
+        kv_events_config: str | dict | None = None,
         num_threads: int | None = None,
         num_scheduler_steps: int | None = None,
         kv_cache_prefault: bool | None = None,
@@ -126,6 +131,7 @@ class LLM:
                 dequantize_weights=dequantize_weights,
                 enable_hisparse=enable_hisparse,
                 hisparse_config=hisparse_config,
+                kv_events_config=kv_events_config,
                 num_threads=num_threads,
                 num_scheduler_steps=num_scheduler_steps,
                 kv_cache_prefault=kv_cache_prefault,

@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
+from hybridkv.block_manager.kv_events import HOST_MEDIUM, BlockRemoved, BlockStored, block_hash
 from hybridkv.block_manager.kv_cache_manager import NULL_PAGE, KVCacheManager
 from hybridkv.block_manager.space_spec import SpaceSpec
 
@@ -52,7 +53,8 @@ class ShadowIndexMachine(RuleBasedStateMachine):
         super().__init__()
         host = {s.name: self.host_pages for s in self.specs} if self.host_pages else None
         self.kv = KVCacheManager(self.specs, {s.name: self.pages for s in self.specs}, P, True, self.policy,
-                                 host_pages=host, hicache_write_policy=self.write_policy)
+                                 host_pages=host, hicache_write_policy=self.write_policy, kv_events=True)
+        self.published: dict[str | None, set[int]] = {None: set(), HOST_MEDIUM: set()}  # replayed KV events
         self.windowed = {s.name: s.window for s in self.specs if s.windowed}
         self.tags = {s.name: [None] * (self.pages + 1) for s in self.specs}
         # Host tier: the tag each host page holds, moved by the copies exactly as the runner would.
@@ -395,6 +397,30 @@ class ShadowIndexMachine(RuleBasedStateMachine):
     def ledgers_exact(self):
         self.kv.check_invariants()
         assert self._index_view() == self.ref, "the index differs from the reference model"
+
+    @invariant()
+    def kv_events_replay_to_the_index(self):
+        """Replaying every KV cache event gives the index's pages on each tier (a router that
+        follows the events knows exactly what this engine holds)."""
+        for e in self.kv.take_kv_events():
+            if isinstance(e, BlockStored):
+                assert not self.published[e.medium] & set(e.block_hashes), "a page was announced twice"
+                self.published[e.medium] |= set(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                assert set(e.block_hashes) <= self.published[e.medium], "a removal of a page never announced"
+                self.published[e.medium] -= set(e.block_hashes)
+            else:
+                assert self.kv.index.num_nodes == 0, "AllBlocksCleared while pages remain"
+                self.published = {m: set() for m in self.published}
+        index = self.kv.index
+        ref = index.whole[0] if index.whole else None
+        want = {None: set(), HOST_MEDIUM: set()}
+        for nd in index.nodes() if ref is not None else ():
+            if nd.shadows[ref] is not None:
+                want[None].add(block_hash(nd.chain))
+            if nd.host.get(ref) is not None:
+                want[HOST_MEDIUM].add(block_hash(nd.chain))
+        assert self.published == want, "the KV cache events disagree with the index"
 
     def teardown(self):
         for rid in list(self.live):
