@@ -97,6 +97,11 @@ class Fleet:
                 [router, "launch", "--host", self.host, "--port", str(self.port), "--policy", self.policy,
                  "--worker-urls", *self.replica_urls,
                  "--health-check-interval-secs", str(self.health_check_interval_s), "--health-failure-threshold", "1",
+                 # A request sent to a replica that just died is retried; the cache-aware policy
+                 # picks that replica again until the health check drops it, so the retries
+                 # must outlast one check (backoffs 0.4, 0.6, 0.9, ... check intervals).
+                 "--retry-initial-backoff-ms", str(int(self.health_check_interval_s * 400)),
+                 "--retry-max-retries", "6",
                  "--log-level", "warn"])
             self._wait("router", f"{self.url}/health")
         except BaseException:
