@@ -37,6 +37,9 @@ setup(
         "msgspec",  # ... in vLLM's encoding (array-like msgpack structs)
         "gguf",  # converts the built-in demo model's GGUF to a HF folder
         "jinja2",
+        # Structured outputs (engine/structured_output/): grammar matchers and token masks; one abi3
+        # wheel with no torch dependency (engine/structured_output/grammar_compiler.py says why not xgrammar).
+        "llguidance>=1.9,<2",
         "ninja",  # builds the CPU kernels (attention_backends/ and model_executor/cpu_kernels) with the system g++
         # Intel's OpenMP runtime (libiomp5), loaded by `import hybridkv` before torch: libgomp's spinning
         # workers stall every join when a server shares its cores (hybridkv/openmp_runtime.py).
@@ -48,7 +51,8 @@ setup(
         "redis": ["redis>=5", "hiredis"],
         # sglang-router: the fleet tests put SGLang's cache-aware router (a Rust binary) in front
         # of real servers.
-        "test": ["pytest", "hypothesis", "openai", "prometheus-client", "redis>=5", "hiredis", "sglang-router"],
+        "test": ["pytest", "hypothesis", "openai", "prometheus-client", "redis>=5", "hiredis", "sglang-router",
+                 "jsonschema"],  # validates structured outputs against their schemas
         "gpu": ["triton", "xformers"],
     },
     entry_points={"console_scripts": ["hybridkv=hybridkv.entrypoints.cli:main"]},

@@ -30,6 +30,7 @@ from hybridkv.engine.decode_burst import burst_limit
 from hybridkv.engine.llm_engine import LLMEngine, PromptType
 from hybridkv.engine.outputs import RequestOutput
 from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.structured_output import StructuredOutputStats
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,8 @@ class EngineSnapshot:
     hisparse: dict[str, float] = field(default_factory=dict)
     # Bytes allocated for the KV cache: tier ("device" / "host") -> space -> bytes (fixed at start).
     kv_cache_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Structured outputs: constrained requests, grammar compiles (count, seconds), cache hits.
+    structured_outputs: StructuredOutputStats = field(default_factory=StructuredOutputStats)
 
     @classmethod
     def capture(cls, engine: LLMEngine) -> "EngineSnapshot":
@@ -144,6 +147,7 @@ class EngineSnapshot:
             storage=engine.storage.snapshot() if engine.storage is not None else {},
             hisparse=engine.hisparse_stats(),
             kv_cache_bytes=engine.kv_cache_bytes,
+            structured_outputs=engine.structured.stats(),
         )
 
 
@@ -318,6 +322,15 @@ class AsyncLLMEngine:
                 self.abort(r.request_id)
             raise
         return RequestStream(self, [r.request_id for r in requests], sink)
+
+    async def check_structured_outputs(self, params: Sequence[SamplingParams]) -> None:
+        """Compile the constraints of these params (on the grammar worker, cached) and wait for
+        them without blocking the loop: a ValueError names the first that cannot be compiled.
+        Safe off the engine thread (the compiler is thread-safe), so a bad grammar is refused
+        before anything is added."""
+        specs = [p.structured_outputs for p in params if p.structured_outputs is not None]
+        for fut in self.engine.structured.compile_all(specs):
+            await asyncio.wrap_future(fut)
 
     async def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams, cache_salt: str | None = None

@@ -30,6 +30,7 @@ from hybridkv.engine.request_group import RequestGroup, make_output
 from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from hybridkv.engine.step_executor import StepExecutor
+from hybridkv.engine.structured_output import StructuredOutputManager
 from hybridkv.engine.tier_factory import wire_tiers
 from hybridkv.engine.tp_executor import TensorParallelRunner, start_tensor_parallel, threads_per_rank
 from hybridkv.model_executor.checkpoint import load_generation_config
@@ -119,6 +120,9 @@ class LLMEngine:
                             preemption_mode=config.preemption_mode),
             self.kv, self.runner.step_cost,
         )
+        # Structured outputs: grammars compiled on a worker thread, one mask row per constrained
+        # sequence each step (engine/structured_output/manager.py).
+        self.structured = StructuredOutputManager(self.tokenizer, self.runner.config.vocab_size, self.eos_token_ids)
         self._groups: dict[str, RequestGroup] = {}
         self._request_to_group: dict[str, RequestGroup] = {}
         self._counter = itertools.count()  # request ids for callers that give none
@@ -189,6 +193,8 @@ class LLMEngine:
                 f"{self.max_model_len} tokens and the prompt has {len(ids)}, which leaves room for {room}."
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else room
+        grammars = (self.structured.grammars_for(params, params.n) if params.structured_outputs is not None
+                    else [None] * params.n)
         children, detoks = [], {}
         for i in range(params.n):
             seed = params.seed + i if params.seed is not None else None
@@ -200,6 +206,7 @@ class LLMEngine:
             req = Request(child_id, ids, child_params, max_tokens, namespace=cache_salt, priority=priority,
                           client_id=request_id if client_id is None else client_id, interactive=interactive)
             req.index = i
+            req.grammar = grammars[i]
             children.append(req)
             detoks[child_id] = IncrementalDetokenizer(self.tokenizer, ids, child_params)
         group = RequestGroup(request_id, text, ids, params, children, detoks)
@@ -207,6 +214,7 @@ class LLMEngine:
         for req in children:
             self._request_to_group[req.request_id] = group
             self.scheduler.add(req)
+        self.structured.track(children)
         self.stats["prompt_tokens"] += len(ids)
         return request_id
 
@@ -247,17 +255,26 @@ class LLMEngine:
         return len(self._groups)
 
     # -- the step ------------------------------------------------------------------------------
+    def check_structured_outputs(self, params: list[SamplingParams], timeout: float | None = None) -> None:
+        """Compile the constraints of these params (side by side, cached) and wait for them:
+        a ValueError names the first that cannot be compiled. Thread-safe (the server calls it
+        from its handlers before adding a request)."""
+        self.structured.check([p.structured_outputs for p in params if p.structured_outputs is not None], timeout)
+
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        failed = self._finish_failed_grammars() if self.structured.has_pending else []
         sched = self.scheduler.schedule()
         if sched.empty:
             self.executor.flush_copies()  # write-backs of pages evicted while nothing ran
             self._publish_kv_events()
             if self.kv.waiting_for_reads():
                 self.kv.wait_for_reads()  # requests wait for their prefix reads: sleep until one lands
-            return []
-        results = self.executor.run(sched, self.scheduler)
-        touched = self._book(sched, results)
+            elif self.structured.has_pending:
+                self.structured.wait_for_compiles(0.05)  # requests wait for their grammars
+            return [o for o in (self._make_output(g) for g in failed) if o is not None]
+        results = self.executor.run(sched, self.scheduler, self.structured.bitmask(sched.scheduled))
+        touched = list({g.request_id: g for g in failed + self._book(sched, results)}.values())
         # Write-through of the pages this step completed, and of those that requests finishing
         # now published as they left (a decode's last pages are published at retire).
         self.executor.flush_copies()
@@ -266,6 +283,17 @@ class LLMEngine:
         # The whole step, as a stream sees it between two tokens (the latency target's unit).
         self.scheduler.observe_step(sched, (time.perf_counter() - t0) / len(results))
         return outputs
+
+    def _finish_failed_grammars(self) -> list[RequestGroup]:
+        """Sequences whose grammar failed to compile while they waited finish with "abort"."""
+        groups: dict[str, RequestGroup] = {}
+        for req, error in self.structured.take_failed():
+            logger.warning("request %s: %s; finishing it", req.request_id, error)
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            group = self._request_to_group.get(req.request_id)
+            if group is not None:
+                groups[group.request_id] = group
+        return list(groups.values())
 
     def _book(self, sched: SchedulerOutput, results: list[RunnerOutput]) -> list[RequestGroup]:
         """Record the step's results one decode step at a time (a burst's as the ordinary steps it
@@ -316,6 +344,8 @@ class LLMEngine:
             if req.logprobs is not None and sampled.top_logprobs is not None:
                 req.logprobs.append(self._to_logprobs(sampled.top_logprobs))
             status = self._check_stop(req, group.detoks[req.request_id])
+            if req.grammar is not None:
+                status = self.structured.after_token(req, status)
             if status is not None:
                 self.scheduler.finish(req, status)
         return list(touched.values())
@@ -385,6 +415,7 @@ class LLMEngine:
         collection and interpreter exit stop them too."""
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
+        self.structured.shutdown()
         if isinstance(self.runner, TensorParallelRunner):
             self.runner.shutdown()
             torch.set_num_threads(self._threads_before)  # the workers' cores are free again

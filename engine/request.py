@@ -4,12 +4,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import TYPE_CHECKING, Hashable
 
 import torch
 
 from hybridkv.engine.outputs import PositionLogprobs
 from hybridkv.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hybridkv.engine.structured_output.request_grammar import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -55,6 +58,9 @@ class Request:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
+    # Structured outputs: this sequence's grammar matcher (None: unconstrained). The scheduler
+    # admits the request only once it is compiled (engine/structured_output/manager.py).
+    grammar: "RequestGrammar | None" = None
     # Timestamps for metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -83,6 +89,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def grammar_ready(self) -> bool:
+        """No grammar, or one compiled without error: the request may be admitted."""
+        return self.grammar is None or (self.grammar.ready and self.grammar.error is None)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

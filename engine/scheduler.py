@@ -209,6 +209,8 @@ class Scheduler:
                     continue  # in-batch grouping: the group's first request computes the shared prefix
                 if req.num_cached_tokens < 0 and not self.kv.ready(req.request_id, req.all_token_ids, req.namespace):
                     continue  # its prefix is still being read
+                if req.grammar is not None and not req.grammar_ready:
+                    continue  # its grammar is still compiling (structured outputs)
                 if not self._admit(req, budget, now, out):
                     break
                 budget -= out.scheduled[-1].num_new_tokens

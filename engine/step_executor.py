@@ -14,7 +14,9 @@ from __future__ import annotations
 from hybridkv.block_manager.kv_cache_manager import KVCacheManager
 from hybridkv.engine.decode_burst import burst_steps
 from hybridkv.engine.scheduler import Scheduler, SchedulerOutput
+from hybridkv.model_executor.batch import ModelInput
 from hybridkv.model_executor.model_runner import ModelRunner, RunnerOutput, SampledToken
+from hybridkv.model_executor.token_bitmask import TokenBitmask
 
 
 class StepExecutor:
@@ -26,19 +28,21 @@ class StepExecutor:
         self.burst_limit = burst_limit
         self.stats = stats
 
-    def run(self, sched: SchedulerOutput, scheduler: Scheduler) -> list[RunnerOutput]:
+    def run(self, sched: SchedulerOutput, scheduler: Scheduler,
+            token_bitmask: TokenBitmask | None = None) -> list[RunnerOutput]:
         """Execute a non-empty schedule: one RunnerOutput per decode step run (several for a
         burst, each with every scheduled sequence's token of that step; the caller stops taking
-        a sequence's tokens once it stopped)."""
+        a sequence's tokens once it stopped). token_bitmask: the allowed next tokens of the
+        constrained sequences (structured outputs); a step with one never runs as a burst."""
         self.runner.release_requests(self.kv.take_freed())  # preempted by this schedule
-        steps = self._burst_steps(sched, scheduler)
+        steps = 1 if token_bitmask is not None else self._burst_steps(sched, scheduler)
         if steps > 1:
             tokens = self._run_burst(sched, steps)
             if tokens is not None:
                 return [RunnerOutput(sampled={rid: SampledToken(toks[j], None, None) for rid, toks in tokens.items()})
                         for j in range(steps)]
         plan = self.kv.plan([s.request_id for s in sched.scheduled])
-        return [self.runner.execute(sched.model_input(), plan)]
+        return [self.runner.execute(ModelInput(sched.scheduled, token_bitmask), plan)]
 
     def flush_copies(self) -> None:
         """Execute the tier copies decided since the last plan, now (no forward waits for them),

@@ -1,6 +1,6 @@
 """User surfaces of hybridkv: the offline LLM class, the CLI and the OpenAI-compatible HTTP server (openai/)."""
 from hybridkv.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from hybridkv.entrypoints.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -205,6 +205,7 @@ class LLM:
         priorities: list[int] | None = None,
     ) -> list[RequestOutput]:
         engine = self.engine
+        engine.check_structured_outputs(params)  # a bad grammar is refused before anything is added
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):

@@ -2,7 +2,7 @@
 
 The public API::
 
-    from hybridkv import LLM, SamplingParams
+    from hybridkv import LLM, SamplingParams, StructuredOutputsParams
 
 The subpackages are the repository's top-level folders, installed under this one name
 (setup.py's package_dir maps them): hybridkv.engine, hybridkv.block_manager,
@@ -26,6 +26,7 @@ OPENMP_RUNTIME: OpenMPRuntime = _select_openmp_runtime()
 _PUBLIC = {
     "LLM": "hybridkv.entrypoints.llm",
     "SamplingParams": "hybridkv.model_executor.sampling_params",
+    "StructuredOutputsParams": "hybridkv.model_executor.structured_outputs",
     "RequestOutput": "hybridkv.engine.outputs",
     "CompletionOutput": "hybridkv.engine.outputs",
     "Logprob": "hybridkv.engine.outputs",
@@ -36,6 +37,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from hybridkv.engine.outputs import CompletionOutput, Logprob, RequestOutput
     from hybridkv.entrypoints.llm import LLM
     from hybridkv.model_executor.sampling_params import SamplingParams
+    from hybridkv.model_executor.structured_outputs import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

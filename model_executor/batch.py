@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridkv.model_executor.sampling_params import SamplingParams
+from hybridkv.model_executor.token_bitmask import TokenBitmask
 
 
 @dataclass(eq=False, slots=True)  # slots: one is built per request per step
@@ -47,3 +48,6 @@ class ModelInput:
     """One step's work for the runner (the engine's SchedulerOutput says how much and what else)."""
 
     sequences: list[ScheduledSequence] = field(default_factory=list)
+    # Structured outputs: the allowed next tokens of the constrained sequences that sample now,
+    # read by the sampler only (rank 0 under tensor parallelism: never sent to the workers).
+    token_bitmask: TokenBitmask | None = None

@@ -376,6 +376,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if logits is None:  # a tensor-parallel rank other than 0: its columns went to rank 0
             return out
+        bits, bitmask_rows = self._bitmask_rows(batch, sampling)
         res = self.sampler(
             logits.cpu(),
             SamplingBatch(
@@ -383,6 +384,8 @@ class ModelRunner:
                 generators=[s.generator for s in sampling],
                 prompt_token_ids=[s.prompt_token_ids for s in sampling],
                 output_token_ids=[s.output_token_ids for s in sampling],
+                token_bitmask=bits,
+                bitmask_rows=bitmask_rows,
             ),
         )
         for i, s in enumerate(sampling):
@@ -429,6 +432,20 @@ class ModelRunner:
             return None
         by_sequence = tokens.t().tolist()
         return {s.request_id: by_sequence[i] for i, s in enumerate(items)}
+
+    @staticmethod
+    def _bitmask_rows(batch: ModelInput, sampling: list[ScheduledSequence]) -> tuple[torch.Tensor | None, list[int]]:
+        """The step's token bitmask in the order of the sampled rows (decodes come first here,
+        not in the engine's order): (bits, the sampled row each one constrains)."""
+        mask = batch.token_bitmask
+        if mask is None:
+            return None, []
+        rows = [i for i, s in enumerate(sampling) if s.request_id in mask.rows]
+        if not rows:
+            return None, []
+        order = [mask.rows[sampling[i].request_id] for i in rows]
+        bits = mask.bits if order == list(range(mask.bits.shape[0])) else mask.bits[torch.tensor(order)]
+        return bits, rows
 
     @staticmethod
     def sampled(items: list[ScheduledSequence]) -> tuple[list[ScheduledSequence], list[int]]:

@@ -12,18 +12,24 @@ Pipeline per step (all on float32 logits, on the logits' device):
 
 Logprobs always describe the *raw* model distribution (log_softmax of the input logits),
 never the penalised / tempered / filtered one, as in vLLM v1.
+
+Constrained rows (structured outputs): the batch's token bitmask is applied first (forbidden
+tokens -inf, model_executor/token_bitmask.py), so every mode samples from the allowed tokens only
+and logprobs describe the masked distribution, as in vLLM v1, where the grammar bitmask is
+applied to the logits before the sampler sees them.
 """
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from hybridkv.model_executor.cpu_kernels import fused_ops
 from hybridkv.model_executor.sampling_params import SamplingParams
+from hybridkv.model_executor.token_bitmask import apply_token_bitmask
 
 # (token_id, logprob, rank); rank = 1 + number of tokens with a strictly greater logprob.
 TokenLogprob = tuple[int, float, int]
@@ -45,6 +51,10 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # per-request generator when params.seed is set
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]  # tokens generated so far (before this step)
+    # Structured outputs: token_bitmask[i] ([R, ceil(V / 32)] int32) allows the next tokens of
+    # row bitmask_rows[i]; None when no row of the step is constrained.
+    token_bitmask: torch.Tensor | None = None
+    bitmask_rows: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.params)
@@ -166,8 +176,10 @@ def _min_tokens_active(p: SamplingParams, num_output: int) -> bool:
 def plain_greedy(p: SamplingParams, num_output: int) -> bool:
     """Whether a row with num_output tokens so far gets the plain argmax of its logits, and
     nothing else the sampler computes is read (no logprobs), now and at every later step
-    (min_tokens, once reached, stays reached). The engine's decode bursts ask."""
-    return p.greedy and p.logprobs is None and not _has_penalties(p) and not _min_tokens_active(p, num_output)
+    (min_tokens, once reached, stays reached). The engine's decode bursts ask: a constrained row
+    (structured outputs) is not one, its argmax is over the tokens its grammar allows."""
+    return (p.greedy and p.logprobs is None and p.structured_outputs is None and not _has_penalties(p)
+            and not _min_tokens_active(p, num_output))
 
 
 def _apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -399,6 +411,8 @@ class Sampler:
             raise ValueError(
                 f"Sampler: expected logits [B, V] with B = {len(batch)} rows, got {tuple(logits.shape)}"
             )
+        if batch.token_bitmask is not None:  # a new float32 tensor: the input stays untouched
+            logits = apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
         no_logprobs = all(p.logprobs is None for p in batch.params)
         if all(plain_greedy(p, len(out)) for p, out in zip(batch.params, batch.output_token_ids)):
             # Plain greedy: the argmax of the logits in their own dtype (widening bf16 to float32

@@ -8,6 +8,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from hybridkv.model_executor.structured_outputs import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -39,6 +41,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # The output must match this grammar (engine/structured_output/); None = unconstrained.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from generation_config.json; not part of the user contract.
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
 
@@ -110,6 +114,9 @@ class SamplingParams:
             raise bad(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad(f"structured_outputs must be a StructuredOutputsParams or None, got "
+                      f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from hybridkv.engine.async_llm_engine import EngineSnapshot
@@ -95,6 +95,18 @@ class _EngineCollector(Collector):
                         s.max_queued_requests)
         yield counter("requests_rejected_queue_full", "Requests refused with 503 because the queue was full.",
                       s.num_rejected_queue_full)
+        so = s.structured_outputs
+        yield counter("structured_output_requests", "Requests with an output constraint (structured outputs).",
+                      so.requests)
+        compile_time = SummaryMetricFamily(PREFIX + "structured_output_compile_seconds",
+                                           "Grammar compile time on the compile worker (cache misses).",
+                                           labels=["model_name"])
+        compile_time.add_metric(m, so.compiles, so.compile_seconds)
+        yield compile_time
+        yield counter("structured_output_compile_cache_hits", "Constraints found compiled in the grammar cache.",
+                      so.cache_hits)
+        yield counter("structured_output_compile_failures", "Constraints that could not be compiled (400s).",
+                      so.compile_failures)
         if s.host_pages:  # the host tier (HiCache L2) is on
             host = GaugeMetricFamily(PREFIX + "host_cache_pages", "Host-tier pages of a KV space by state.",
                                      labels=["model_name", "space", "state"])

@@ -9,7 +9,7 @@ OpenAI's wording ("Invalid type for 'n': expected an integer, but got a string i
 
 Unknown top-level fields are rejected (400, "Unrecognized request argument supplied: x"), as
 OpenAI does: a typo such as `max_token` would otherwise be silently ignored. OpenAI fields this
-server does not implement (tools, logit_bias, response_format, ...) are accepted only with their
+server does not implement (tools, logit_bias, ...) are accepted only with their
 "off" value, so a client that sends them at their defaults keeps working and one that relies on
 them gets a clear 400 instead of a silently different answer. A per-request `chat_template` is
 refused: the server does not render user-supplied templates.
@@ -21,8 +21,9 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
+from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from hybridkv.entrypoints.openai.errors import OpenAIError, bad_request
+from hybridkv.entrypoints.openai.structured_outputs_fields import read_structured_outputs
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_N = 128  # bounds the sequences one request can add (memory/DoS guard)
@@ -181,10 +182,14 @@ class SamplingFields:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # response_format / structured_outputs (structured_outputs_fields.py), and which field it came from
+    structured_outputs: StructuredOutputsParams | None = None
+    structured_outputs_param: str = "response_format"
 
     @classmethod
     def read(cls, b: _Body) -> "SamplingFields":
         n = b.int("n", 1, lo=1, hi=MAX_N)
+        constraint, constraint_param = read_structured_outputs(b.raw("response_format"), b.raw("structured_outputs"))
         # SGLang's name for include_stop_str_in_output (its router adds it to every request).
         no_stop_trim = b.bool("no_stop_trim", False)
         return cls(
@@ -205,6 +210,8 @@ class SamplingFields:
             skip_special_tokens=b.bool("skip_special_tokens", True),
             spaces_between_special_tokens=b.bool("spaces_between_special_tokens", True),
             include_stop_str_in_output=b.bool("include_stop_str_in_output", no_stop_trim),
+            structured_outputs=constraint,
+            structured_outputs_param=constraint_param,
         )
 
     def to_params(
@@ -242,6 +249,7 @@ class SamplingFields:
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 output_kind=RequestOutputKind.DELTA,  # the server accumulates; streaming needs deltas
+                structured_outputs=self.structured_outputs,
             )
         except ValueError as e:  # anything the per-field checks above did not already catch
             raise bad_request(str(e)) from e
@@ -403,7 +411,6 @@ class ChatCompletionRequest:
         b.off("tool_choice", lambda v: v == "none", "tool calling is not implemented")
         b.off("functions", lambda v: v == [], "function calling is not implemented")
         b.off("function_call", lambda v: v == "none", "function calling is not implemented")
-        b.off("response_format", lambda v: v == {"type": "text"}, "structured output is not implemented")
         b.off("modalities", lambda v: v == ["text"], "only text output is implemented")
         b.off("echo", lambda v: v is False, "echo is a /v1/completions option")
         b.off("continue_final_message", lambda v: v is False, "not implemented")

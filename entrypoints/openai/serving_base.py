@@ -166,10 +166,16 @@ class ServingContext:
 
     async def start(
         self, prefix: str, inputs: list[PromptInput], params: SamplingParams, cache_salt: str | None,
-        prompt_param: str = "prompt", stream: bool = True,
+        prompt_param: str = "prompt", stream: bool = True, structured_outputs_param: str = "response_format",
     ) -> "Generation":
         """stream: whether the client watches tokens arrive (the step-time target protects only
-        those; a whole response waits for its last token either way)."""
+        those; a whole response waits for its last token either way). structured_outputs_param:
+        the request field a constraint came from (named by its 400 when it cannot compile)."""
+        if params.structured_outputs is not None:  # a grammar that cannot compile is a 400, before any add
+            try:
+                await self.engine.check_structured_outputs([params])
+            except ValueError as e:
+                raise bad_request(str(e), structured_outputs_param) from e
         base = random_id(prefix)
         requests = [
             GenerateRequest(f"{base}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids}

@@ -38,7 +38,8 @@ class ChatServing:
         req, model, prompt = await ctx.run(self._prepare, body)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling.to_params(req.max_tokens, logprobs, ctx.sampling_defaults)
-        gen = await ctx.start("chatcmpl", [prompt], params, req.cache_salt, "messages", req.stream)
+        gen = await ctx.start("chatcmpl", [prompt], params, req.cache_salt, "messages", req.stream,
+                              req.sampling.structured_outputs_param)
         async with gen:
             if req.stream:
                 return await self._stream(request, req, model, gen)

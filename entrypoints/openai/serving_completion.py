@@ -23,7 +23,8 @@ class CompletionServing:
         # echo + logprobs reports the prompt's logprobs too (as OpenAI did and vLLM does).
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         params = req.sampling.to_params(req.max_tokens, req.logprobs, ctx.sampling_defaults, prompt_logprobs)
-        gen = await ctx.start("cmpl", inputs, params, req.cache_salt, "prompt", req.stream)
+        gen = await ctx.start("cmpl", inputs, params, req.cache_salt, "prompt", req.stream,
+                              req.sampling.structured_outputs_param)
         async with gen:
             if req.stream:
                 return await self._stream(request, req, model, gen)
