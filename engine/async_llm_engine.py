@@ -305,7 +305,10 @@ class AsyncLLMEngine:
             raise EngineDeadError("engine is shut down")
 
     def snapshot(self) -> EngineSnapshot:
-        return self._snapshot
+        """The engine thread's last snapshot, with the grammar compiler's counters read now: a
+        spec refused with a 400 is compiled (and counted) off the engine thread, with no step
+        after it to publish it. (Plain counters: reading them here needs no lock.)"""
+        return dataclasses.replace(self._snapshot, structured_outputs=self.engine.structured.stats())
 
     # -- requests ----------------------------------------------------------------------------------
     async def add_requests(self, requests: Sequence[GenerateRequest]) -> RequestStream:
