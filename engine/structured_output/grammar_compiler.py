@@ -77,6 +77,9 @@ class GrammarCompiler:
         width (the mask covers it; ids the tokenizer lacks are never allowed)."""
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
+        # The matcher's vocabulary: the logits' width, or the tokenizer's where it has more ids
+        # (added tokens past the embedding); the sampler cuts a mask row to the logits' width.
+        self.mask_vocab = max(vocab_size, len(tokenizer))
         self.eos_token_ids = sorted(eos_token_ids)
         self.cache_size = cache_size
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
@@ -92,7 +95,7 @@ class GrammarCompiler:
     @property
     def mask_width(self) -> int:
         """int32 words per mask row."""
-        return (self.vocab_size + 31) // 32
+        return (self.mask_vocab + 31) // 32
 
     def compile(self, spec: StructuredOutputsParams, count_hit: bool = True) -> Future[CompiledGrammar]:
         """The spec's compiled grammar: a cached future, or one just queued on the worker.
@@ -116,7 +119,7 @@ class GrammarCompiler:
 
             t0 = time.perf_counter()
             self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                self._hf_tokenizer, n_vocab=max(self.vocab_size, len(self._hf_tokenizer)),
+                self._hf_tokenizer, n_vocab=self.mask_vocab,
                 eos_token=self.eos_token_ids or None,
             )
             logger.info("structured outputs: llguidance tokenizer ready in %.2fs", time.perf_counter() - t0)

@@ -60,6 +60,8 @@ class StructuredOutputManager:
         specs = list(specs)
         futures = [self.compiler.compile(s) for s in specs]
         # Their requests' adds find these entries: not counted again as cache hits (grammars_for).
+        if len(self._checked) > 4096:  # checked specs whose request was never added (refused for another reason)
+            self._checked.clear()
         self._checked.update(id(s) for s in specs)
         return futures
 
