@@ -153,3 +153,25 @@ def test_matcher_sync_rolls_back_and_readvances_to_the_output_tokens(tiny_ckpt):
     assert not grammar.terminated and grammar.num_consumed == 2
     grammar.sync(text_ids)
     assert grammar.terminated and not grammar.failed
+
+
+@pytest.mark.slow
+def test_two_ranks_give_one_process_constrained_tokens_and_workers_never_get_the_mask(tiny_ckpt):
+    """Under tensor parallelism only rank 0 samples: the mask goes to its sampler alone."""
+    import pickle
+
+    path = tiny_ckpt("llama", num_key_value_heads=4)
+    common = dict(dtype="float32", max_model_len=128, max_num_seqs=8)
+    want = [o.outputs[0].token_ids for o in LLM(path, **common).generate(_prompts(4), _params(), use_tqdm=False)]
+    two = LLM(path, tensor_parallel_size=2, **common)
+    try:
+        sent: list[bytes] = []
+        broadcast = two.engine.runner.workers.broadcast
+        two.engine.runner.workers.broadcast = lambda msg, *a, **k: (sent.append(pickle.dumps(msg)),
+                                                                    broadcast(msg, *a, **k))[1]
+        outs = two.generate(_prompts(4), _params(), use_tqdm=False)
+    finally:
+        two.shutdown()
+    _check_valid(outs)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert sent and not any(b"TokenBitmask" in m for m in sent)
