@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams
+from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from hybridkv.entrypoints.openai.errors import bad_request
 from hybridkv.entrypoints.openai.protocol import MAX_N, _Body, json_type
 from hybridkv.entrypoints.openai.serving_base import (
@@ -62,9 +62,18 @@ def _sampling_params(raw: Any) -> SamplingParams:
         include_stop_str_in_output=b.bool("no_stop_trim", False),
         seed=b.int("sampling_seed", None),
     )
-    for name in ("json_schema", "regex", "ebnf", "structural_tag"):
-        b.off(name, lambda v: False, "constrained decoding is not implemented")
+    # SGLang's constraint fields (json_schema as JSON text, regex, ebnf) as the engine's.
+    constraint = {kind: v for name, kind in (("json_schema", "json"), ("regex", "regex"), ("ebnf", "grammar"))
+                  if (v := b.str(name, non_empty=True)) is not None}
+    b.off("structural_tag", lambda v: False, "structural tags are not implemented")
     b.finish()
+    if len(constraint) > 1:
+        raise bad_request("Pass at most one of 'json_schema', 'regex' and 'ebnf'.", "sampling_params")
+    if constraint:
+        try:
+            kw["structured_outputs"] = StructuredOutputsParams(**constraint)
+        except ValueError as e:
+            raise bad_request(str(e), "sampling_params") from None
     if max_new == 0:
         raise bad_request("Invalid value for 'max_new_tokens': it must be >= 1 on this server.", "max_new_tokens")
     top_k = kw.pop("top_k")
@@ -153,7 +162,7 @@ class NativeServing:
         ctx = self.ctx
         req, inputs = await ctx.run(self._prepare, body)
         t0 = time.monotonic()
-        gen = await ctx.start("gen", inputs, req.params, None, "text", req.stream)
+        gen = await ctx.start("gen", inputs, req.params, None, "text", req.stream, "sampling_params")
         async with gen:
             if req.stream:
                 return await self._stream(request, req, gen, t0)

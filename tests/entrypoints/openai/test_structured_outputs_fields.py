@@ -52,3 +52,17 @@ def test_malformed_constraints_are_400s_naming_the_field(fields, param):
     with pytest.raises(OpenAIError) as e:
         ChatCompletionRequest.parse({"messages": MSGS, **fields})
     assert e.value.status == 400 and e.value.param == param
+
+
+def test_sglang_native_constraint_fields_map_to_structured_outputs():
+    from hybridkv.entrypoints.openai.serving_native import parse_generate
+
+    req = parse_generate({"text": "x", "sampling_params": {"regex": "[0-9]+"}})
+    assert req.params.structured_outputs.regex == "[0-9]+"
+    req = parse_generate({"text": "x", "sampling_params": {"json_schema": '{"type": "object"}'}})
+    assert req.params.structured_outputs.json == '{"type": "object"}'
+    assert parse_generate({"text": "x", "sampling_params": {"ebnf": 'root ::= "a"'}}).params.structured_outputs.grammar
+    for bad in ({"regex": "a", "ebnf": "b"}, {"json_schema": "not json"}, {"structural_tag": "{}"}):
+        with pytest.raises(OpenAIError) as e:
+            parse_generate({"text": "x", "sampling_params": bad})
+        assert e.value.status == 400
