@@ -175,3 +175,23 @@ def test_two_ranks_give_one_process_constrained_tokens_and_workers_never_get_the
     _check_valid(outs)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert sent and not any(b"TokenBitmask" in m for m in sent)
+
+
+def test_eos_is_allowed_only_where_the_grammar_accepts(tiny_ckpt):
+    llm = LLM(tiny_ckpt("llama"), dtype="float32")
+    structured, tok = llm.engine.structured, llm.get_tokenizer()
+    (eos,) = llm.engine.eos_token_ids
+    fut = structured.compiler.compile(StructuredOutputsParams(regex="a+b?"))
+    fut.result()
+    grammar = RequestGrammar(fut)
+
+    def eos_allowed(outputs: list[int]) -> bool:
+        bits = structured.builder.build([("s", grammar, outputs)]).bits[0]
+        return bool((int(bits[eos // 32]) >> (eos % 32)) & 1)
+
+    a = tok.encode("a", add_special_tokens=False)
+    assert not eos_allowed([]), "nothing generated yet: not an accept state"
+    assert eos_allowed(a), "'a' matches a+b?: EOS may end it"
+    assert not grammar.terminated
+    grammar.sync(a + tok.encode("b", add_special_tokens=False))
+    assert grammar.terminated, "'ab' can only end"

@@ -4,6 +4,7 @@ endpoint's), /flush_cache, and HTTP/2 (gRPC) probes answered with HTTP_1_1_REQUI
 from __future__ import annotations
 
 import json
+import re
 import socket
 
 from server_harness import MODEL, sse_events
@@ -82,11 +83,22 @@ def test_generate_refuses_bad_bodies_with_the_field_named(srv):
     for body, param in [({"sampling_params": {}}, "text"),
                         ({"text": "x", "input_ids": [1]}, "text"),
                         ({"text": "x", "sampling_params": {"temperature": -1}}, "temperature"),
-                        ({"text": "x", "sampling_params": {"regex": "a+"}}, "regex"),
+                        ({"text": "x", "sampling_params": {"structural_tag": "{}"}}, "structural_tag"),
+                        ({"text": "x", "sampling_params": {"regex": "(a"}}, "sampling_params"),  # cannot compile
                         ({"text": "x", "sampling_params": {"max_new_token": 3}}, "max_new_token"),
                         ({"text": "x", "sampling_params": {"max_new_tokens": 100000}}, "max_tokens")]:
         status, resp = _json(srv, "POST", "/generate", body)
         assert status == 400 and resp["error"]["param"] == param, (body, resp)
+
+
+def test_generate_constrains_the_output_with_regex_json_schema_and_ebnf(srv):
+    for constraint, check in [({"regex": "a{2,4}b"}, lambda t: re.fullmatch("a{2,4}b", t)),
+                              ({"json_schema": '{"enum": ["on", "off"]}'}, lambda t: json.loads(t) in ("on", "off")),
+                              ({"ebnf": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no"))]:
+        status, resp = _json(srv, "POST", "/generate", {"text": PROMPT, "sampling_params": {
+            "max_new_tokens": 40, "temperature": 0, **constraint}})
+        assert status == 200 and check(resp["text"]), (constraint, resp)
+        assert resp["meta_info"]["finish_reason"]["type"] == "stop"
 
 
 def test_flush_cache_drops_the_cached_prefixes(srv):

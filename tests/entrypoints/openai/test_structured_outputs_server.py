@@ -141,3 +141,17 @@ def test_a_schema_that_cannot_compile_is_a_400_with_an_openai_error_body(client,
     assert re.search(r'hybridkv:structured_output_compile_seconds_count\{model_name="demo"\} [1-9]', text)
     assert re.search(r'hybridkv:structured_output_compile_failures_total\{model_name="demo"\} [1-9]', text)
     assert re.search(r'hybridkv:structured_output_requests_total\{model_name="demo"\} [1-9]', text)
+
+
+@pytest.mark.slow
+def test_a_streamed_constrained_answer_validates(client):
+    stream = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "The weather in Oslo as JSON."}],
+        response_format=_json_schema("weather"), max_tokens=200, temperature=0, stream=True)
+    text, reasons = "", []
+    for chunk in stream:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            reasons.append(c.finish_reason)
+    assert reasons[-1] == "stop"
+    jsonschema.validate(json.loads(text), SCHEMAS["weather"])
