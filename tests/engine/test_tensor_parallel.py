@@ -141,3 +141,12 @@ def test_a_shut_down_engine_says_so(tiny_ckpt, shut_down):
     assert no_workers_left()
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(prompts_with_prefix(320, 1), GREEDY, use_tqdm=False)
+
+
+def test_quantized_dense_checkpoints_are_refused_before_any_process_starts(tmp_path):
+    from tiny_quantized import build_hf_fp8_checkpoint
+
+    path = build_hf_fp8_checkpoint(str(tmp_path / "fp8"), "llama", num_key_value_heads=4)
+    with pytest.raises(ValueError, match=r"quantized \(FP8/FP4\) LlamaForCausalLM checkpoints are not supported yet"):
+        LLM(path, dtype="float32", tensor_parallel_size=2)
+    assert no_workers_left()

@@ -159,8 +159,8 @@ class V4Shard:
                 return Slice(0, *self.heads)
             if module == "wq_b":
                 return Slice(0, self.heads[0] * D, self.heads[1] * D)
-            cols = (self.groups[0] * R, self.groups[1] * R)
-            return Slice(0, *cols) if module == "wo_a" else Slice(1, *cols)
+            lora = (self.groups[0] * R, self.groups[1] * R)  # the groups' o_lora_rank rows of wo_a, columns of wo_b
+            return Slice(0, *lora) if module == "wo_a" else Slice(1, *lora)
         m = _SHARED.match(ours)
         if m:
             return Slice(1 if m.group(1) == "w2" else 0, *self.shared_mlp)
