@@ -63,7 +63,8 @@ def check_supported(config: EngineConfig, skeleton: ModelSkeleton) -> None:
     are refused by EngineConfig itself, model classes without a sharded form by the skeleton's
     build: model_runner.build_model). Block-quantized checkpoints are sliced codes and scales
     together by DeepSeek-V4's layout only; the dense models' layout has no such rule yet."""
-    if getattr(skeleton.config, "quantization_config", None) is not None and not skeleton.model.supports_quantized_shards:
+    quantized = getattr(skeleton.config, "quantization_config", None) is not None
+    if quantized and not skeleton.model.supports_quantized_shards:
         raise ValueError(f"quantized (FP8/FP4) {type(skeleton.model).__name__} checkpoints are not supported yet with "
                          "tensor_parallel_size > 1 (quantized DeepSeek-V4 checkpoints are)")
     if config.allow_pickle_weights:
