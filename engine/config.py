@@ -110,6 +110,11 @@ class EngineConfig:
     # Model shards, one process each (vLLM's name; engine/tp_executor.py): 1 = one process, no
     # torch.distributed. With N > 1, num_threads is per rank (default: the cores shared evenly).
     tensor_parallel_size: int = 1
+    # Expert parallelism (vLLM's name): under tensor_parallel_size > 1 each rank holds whole
+    # routed experts, 1/N of them, instead of 1/N of every expert's intermediate size.
+    # Mixture-of-experts models only. Refused with tensor_parallel_size=1, where there is nothing
+    # to split: a silently ignored flag would hide a mistyped size.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         self._check_tensor_parallel()
@@ -159,6 +164,9 @@ class EngineConfig:
         n = self.tensor_parallel_size
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}")
+        if n == 1 and self.enable_expert_parallel:
+            raise ValueError("enable_expert_parallel splits the routed experts across tensor-parallel ranks: "
+                             "it needs tensor_parallel_size > 1 (got 1)")
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,8 @@ __all__ = ["LLMEngine", "PromptType", "as_token_ids", "is_token_array"]
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        parallel = TensorParallel(0, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        parallel = (TensorParallel(0, config.tensor_parallel_size, config.enable_expert_parallel)
+                    if config.tensor_parallel_size > 1 else None)
         self._threads_before = torch.get_num_threads()  # given back at shutdown (tensor parallelism)
         if parallel is not None:
             torch.set_num_threads(threads_per_rank(config))  # this process is rank 0: its share of the cores

@@ -62,11 +62,13 @@ def threads_per_rank(config: EngineConfig) -> int:
 
 
 def check_supported(config: EngineConfig, skeleton: ModelSkeleton) -> None:
-    """ValueError naming what tensor_parallel_size > 1 does not support yet (the config's tiers
-    are refused by EngineConfig itself, model classes without a sharded form by the skeleton's
-    build: model_runner.build_model)."""
-    if getattr(skeleton.config, "quantization_config", None) is not None:
-        raise ValueError("quantized (FP8/FP4) checkpoints are not supported yet with tensor_parallel_size > 1")
+    """ValueError naming what tensor_parallel_size > 1 does not support yet (model classes
+    without a sharded form are refused by the skeleton's build: model_runner.build_model). Block-quantized checkpoints are sliced codes and scales
+    together by DeepSeek-V4's layout only; the dense models' layout has no such rule yet."""
+    quantized = getattr(skeleton.config, "quantization_config", None) is not None
+    if quantized and not skeleton.model.supports_quantized_shards:
+        raise ValueError(f"quantized (FP8/FP4) {type(skeleton.model).__name__} checkpoints are not supported yet with "
+                         "tensor_parallel_size > 1 (quantized DeepSeek-V4 checkpoints are)")
     if config.allow_pickle_weights:
         raise ValueError("allow_pickle_weights is not supported with tensor_parallel_size > 1 (each rank reads "
                          "its slices from safetensors files)")
@@ -91,7 +93,7 @@ class WorkerGroup:
         for rank in range(1, self.size):
             spec = WorkerSpec(rank, self.size, store.port, self.backend, self.timeout_s, self.threads, model_dir,
                               config.dtype, config.max_model_len, config.seed, config.attention_backend,
-                              f"cuda:{rank}" if device.type == "cuda" else "cpu")
+                              f"cuda:{rank}" if device.type == "cuda" else "cpu", config.enable_expert_parallel)
             proc = context.Process(target=worker_main, args=(spec,), name=f"hybridkv-tp-rank{rank}", daemon=True)
             proc.start()
             self.processes.append(proc)
@@ -291,7 +293,8 @@ def start_tensor_parallel(config: EngineConfig, model_dir: str, device: torch.de
             driver = ModelRunner(
                 model_dir, config.dtype, config.max_model_len, config.seed, config.allow_pickle_weights,
                 attention_backend=config.attention_backend, dequantize_weights=config.dequantize_weights,
-                device=device, skeleton=skeleton, parallel=TensorParallel(0, config.tensor_parallel_size),
+                device=device, skeleton=skeleton,
+                parallel=TensorParallel(0, config.tensor_parallel_size, config.enable_expert_parallel),
             )
     except BaseException:
         workers.close()

@@ -43,6 +43,7 @@ class WorkerSpec:
     seed: int
     attention_backend: str
     device: str  # "cpu" or "cuda:<rank>"
+    expert_parallel: bool = False  # EngineConfig.enable_expert_parallel
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ def worker_main(spec: WorkerSpec) -> None:
     join_group(spec)
     runner = ModelRunner(spec.model_dir, spec.dtype, spec.max_model_len, spec.seed,
                          attention_backend=spec.attention_backend, device=spec.device,
-                         parallel=TensorParallel(spec.rank, spec.size))
+                         parallel=TensorParallel(spec.rank, spec.size, spec.expert_parallel))
     serve(runner)
     # Told to stop: leave without tearing the process group down. Its gloo threads, destroyed
     # while the driver's side of the connections closes, aborted the process now and then

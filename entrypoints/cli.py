@@ -95,7 +95,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU compute threads (default: OMP_NUM_THREADS, else one per core)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="model shards, one process each (torch.distributed, gloo on the CPU); dense "
-                        "Llama-family and Gemma-3 models, no host/storage tier or HiSparse yet (default: 1)")
+                        "Llama-family and Gemma-3 models and DeepSeek-V4, no host/storage tier or HiSparse "
+                        "yet (default: 1)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size > 1: each rank holds whole routed experts (1/N of "
+                        "them) instead of a slice of every expert; mixture-of-experts models only")
     p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="greedy decode steps per model call when every running request decodes greedily "
                         "and none waits (default: 8 without a step target, so `generate`; 1 with one, so `serve`)")
@@ -158,6 +162,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         num_threads=args.num_threads,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         num_scheduler_steps=args.num_scheduler_steps,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         kv_cache_prefault=args.kv_cache_prefault,
