@@ -28,7 +28,8 @@ import torch.distributed as dist
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.tp_host_pages import GroupHostPages
 from hybridkv.engine.tp_worker import (
-    BindHostCache, BindKVCache, Message, RunCopies, RunStep, Stop, WorkerSpec, started_key, worker_main,
+    BindHostCache, BindKVCache, Message, Release, ReportState, RunCopies, RunStep, Stop, WorkerSpec, rank_state,
+    started_key, worker_main,
 )
 from hybridkv.block_manager.kv_plan import KVCacheLayout, KVPlan, TierTransfers
 from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
@@ -213,9 +214,6 @@ class TensorParallelRunner:
     def __init__(self, driver: ModelRunner, workers: WorkerGroup) -> None:
         self.driver = driver
         self.workers = workers
-        # Requests that left since the last message: the workers empty their HiSparse hot-buffer
-        # rows with the next step or copies (nothing runs on a worker in between).
-        self._released: list[str] = []
 
     def __getattr__(self, name: str):
         return getattr(self.driver, name)
@@ -230,19 +228,24 @@ class TensorParallelRunner:
 
     def release_requests(self, request_ids) -> None:
         ids = list(request_ids)
-        if ids and self.driver.hot_buffers is not None:
-            self._released += ids
+        if ids and self.driver.hot_buffers is not None:  # only HiSparse keeps per-request rows
+            self.workers.broadcast(Release(ids))
         self.driver.release_requests(ids)
-
-    def _take_released(self) -> list[str]:
-        released, self._released = self._released, []
-        return released
 
     def execute(self, batch: ModelInput, plan: KVPlan) -> RunnerOutput:
         self.workers.broadcast(RunStep([worker_view(s) for s in batch.sequences],
-                                       step_plan(plan, batch, self.driver.layout.page_size), self._take_released()))
+                                       step_plan(plan, batch, self.driver.layout.page_size)))
         with self.workers.watch():
             return self.driver.execute(batch, plan)
+
+    def rank_states(self) -> list[dict[str, int]]:
+        """Every rank's state beyond its pages (tp_worker.rank_state), rank 0's first: what an
+        idle group must hold none of."""
+        self.workers.broadcast(ReportState())
+        states: list = [None] * self.workers.size
+        with self.workers.watch():
+            dist.gather_object(rank_state(self.driver), states, dst=0)
+        return states
 
     def burst_fits(self, num_decodes: int) -> bool:
         return False
@@ -257,7 +260,7 @@ class TensorParallelRunner:
     def run_copies(self, copies: TierTransfers, defer_loads: bool = False) -> None:
         if copies.empty:
             return
-        self.workers.broadcast(RunCopies(copies, self._take_released()))
+        self.workers.broadcast(RunCopies(copies))
         self.driver.run_copies(copies, defer_loads=defer_loads)
 
     def shutdown(self) -> None:

@@ -66,21 +66,26 @@ class BindHostCache:
 @dataclass(frozen=True)
 class RunStep:
     """One forward: the step's sequences (plain ScheduledSequences, no engine objects) and its plan
-    (whose tier copies run first, as on the driver). released: requests that left the device
-    since the last message (their HiSparse hot-buffer rows are emptied before the step)."""
+    (whose tier copies run first, as on the driver)."""
 
     sequences: list[ScheduledSequence]
     plan: KVPlan
-    released: list[str]
 
 
 @dataclass(frozen=True)
 class RunCopies:
     """Tier copies decided between steps (write-through, write-back of evicted pages, load-backs
-    of a swap-in), run now on this rank's shard; released as in RunStep."""
+    of a swap-in), run now on this rank's shard."""
 
     copies: TierTransfers
-    released: list[str]
+
+
+@dataclass(frozen=True)
+class Release:
+    """Requests that left the device (finished, preempted, aborted): their HiSparse hot-buffer
+    rows are emptied on this rank as on the driver, when they leave, so an idle group holds none."""
+
+    request_ids: list[str]
 
 
 @dataclass(frozen=True)
@@ -102,11 +107,18 @@ class WriteHostPages:
 
 
 @dataclass(frozen=True)
+class ReportState:
+    """Send the driver what this rank holds between steps (a gather follows): the invariant that
+    an idle group holds nothing is checked on every rank, not only the driver's."""
+
+
+@dataclass(frozen=True)
 class Stop:
     """Leave the loop and the process group."""
 
 
-Message = BindKVCache | BindHostCache | RunStep | RunCopies | ReadHostPages | WriteHostPages | Stop
+Message = (BindKVCache | BindHostCache | RunStep | RunCopies | Release | ReadHostPages | WriteHostPages
+           | ReportState | Stop)
 
 
 def receive() -> Message:
@@ -160,11 +172,13 @@ def serve(runner: ModelRunner) -> None:
         elif isinstance(message, BindHostCache):
             runner.bind_host_cache(message.host_pages, message.mem_layout)
         elif isinstance(message, RunStep):
-            release(runner, message.released)
             runner.execute(ModelInput(message.sequences), message.plan)
         elif isinstance(message, RunCopies):
-            release(runner, message.released)
             runner.run_copies(message.copies)
+        elif isinstance(message, Release):
+            release(runner, message.request_ids)
+        elif isinstance(message, ReportState):
+            dist.gather_object(rank_state(runner), None, dst=0)
         elif isinstance(message, ReadHostPages):
             dist.gather_object(runner.host_cache.read_pages(message.space, message.pages), None, dst=0)
         elif isinstance(message, WriteHostPages):
@@ -183,3 +197,15 @@ def release(runner: ModelRunner, request_ids: list[str]) -> None:
     if buffers is not None:
         for rid in request_ids:
             buffers.forget(rid)
+
+
+def rank_state(runner: ModelRunner) -> dict[str, int]:
+    """What this rank holds beyond its pages: HiSparse hot-buffer rows (and requests still
+    counted), and host-tier load-backs not yet completed. All zero on an idle rank."""
+    buffers = runner.hot_buffers
+    host = runner.host_cache
+    return {
+        "hot_buffer_rows": buffers.num_active if buffers is not None else 0,
+        "hot_buffer_requests_counted": buffers.num_tracked if buffers is not None else 0,
+        "pending_load_backs": int(host is not None and host.has_pending_loads),
+    }
