@@ -234,6 +234,7 @@ def server_settings(args: argparse.Namespace, chat_template: str | None):
         max_connections=args.max_connections,
         max_seqs_per_request=args.max_seqs_per_request,
         metrics_require_api_key=args.metrics_require_api_key,
+        reasoning_parser=args.reasoning_parser,
     )
     settings.validate()
     return settings
@@ -342,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-require-api-key", action="store_true",
                    help="with an API key, /metrics needs it too (default: /metrics is open)")
     s.add_argument("--disable-access-log", action="store_true", help="do not log one line per HTTP request")
+    s.add_argument("--reasoning-parser", default=None, metavar="{deepseek_r1,deepseek_v4,qwen3}",
+                   help="split a reasoning model's output into reasoning_content and content (chat completions)")
     add_engine_args(s)
     s.set_defaults(func=_serve)
 

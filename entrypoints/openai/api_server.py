@@ -55,6 +55,7 @@ from hybridkv.entrypoints.openai.json_body import parse_json_body
 from hybridkv.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hybridkv.entrypoints.openai.metrics import ServerMetrics
 from hybridkv.entrypoints.openai.http2_probe import Http1Only
+from hybridkv.entrypoints.openai.reasoning_parser import check_parser_name as check_reasoning_parser
 from hybridkv.entrypoints.openai.serving_base import DEFAULT_MAX_SEQS_PER_REQUEST, ServingContext, longest_token_bytes
 from hybridkv.entrypoints.openai.serving_chat import ChatServing
 from hybridkv.entrypoints.openai.serving_completion import CompletionServing
@@ -92,6 +93,7 @@ class ServerSettings:
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # open connections; more are closed on connect
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST  # prompts x n
     metrics_require_api_key: bool = False  # /metrics is open by default (scrapers rarely send keys)
+    reasoning_parser: str | None = None  # reasoning_parser.PARSERS: chat outputs split into reasoning and content
 
     def validate(self) -> None:
         for name in ("max_request_body_bytes", "max_connections", "max_seqs_per_request"):
@@ -100,6 +102,8 @@ class ServerSettings:
         for name in ("keepalive_timeout", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.reasoning_parser is not None:
+            check_reasoning_parser(self.reasoning_parser)
 
 
 def server_version() -> str:
@@ -281,6 +285,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings | None = None) ->
         executor=executor,
         max_token_bytes=longest_token_bytes(tokenizer),
         max_seqs_per_request=settings.max_seqs_per_request,
+        reasoning_parser=settings.reasoning_parser,
     )
     middlewares = [_error_middleware()]
     if settings.api_key:
