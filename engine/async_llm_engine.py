@@ -263,6 +263,7 @@ class AsyncLLMEngine:
         self.max_model_len = engine.max_model_len
         self.config = engine.config
         self.model_dir = engine.model_dir
+        self.parallel_layout = engine.parallel_layout()  # fixed for the engine's life
         # The checkpoint's generation_config sampling defaults (read-only after init).
         self.generation_defaults: dict[str, Any] = dict(engine.generation_defaults.defaults)
         self._commands: "queue.SimpleQueue[_Command]" = queue.SimpleQueue()

@@ -31,7 +31,7 @@ class WorkerSpec:
 
     rank: int
     size: int
-    store_port: int  # the driver's TCPStore on 127.0.0.1: the process group's rendezvous
+    store_port: int  # the driver's TCPStore (at store_host): the process group's rendezvous
     backend: str  # "gloo" (CPU) or "nccl" (CUDA)
     timeout_s: float  # every collective's limit: a rank that stops answering fails the others
     threads: int  # torch threads of this rank (its share of the cores)
@@ -40,7 +40,8 @@ class WorkerSpec:
     max_model_len: int | None
     seed: int
     attention_backend: str
-    device: str  # "cpu" or "cuda:<rank>"
+    device: str  # "cpu" or "cuda:<the rank's index on its node>"
+    store_host: str = "127.0.0.1"  # node 0's address (dist_init_addr) when the ranks span nodes
 
 
 @dataclass(frozen=True)
@@ -77,12 +78,13 @@ def started_key(rank: int) -> str:
 
 
 def join_group(spec: WorkerSpec) -> None:
-    """Join the driver's process group (the driver is rank 0 and holds the store)."""
+    """Join the driver's process group (the driver is rank 0 and holds the store; a worker on
+    another node may start first: the client retries connecting until the timeout)."""
     timeout = timedelta(seconds=spec.timeout_s)
-    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.size, is_master=False, timeout=timeout)
+    store = dist.TCPStore(spec.store_host, spec.store_port, spec.size, is_master=False, timeout=timeout)
     store.set(started_key(spec.rank), str(os.getpid()))  # the driver waits for these, watching the processes
     if spec.backend == "nccl":
-        torch.cuda.set_device(spec.rank)
+        torch.cuda.set_device(torch.device(spec.device))
     dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.size, timeout=timeout)
 
 
