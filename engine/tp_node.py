@@ -14,18 +14,16 @@ nobody to follow: they are stopped).
 from __future__ import annotations
 
 import logging
+import select
 import signal
+import socket
 import time
-from datetime import timedelta
 from types import FrameType
-
-import torch.distributed as dist
 
 from hybridkv.engine.config import EngineConfig, resolve_device
 from hybridkv.engine.node_layout import NodeLayout
 from hybridkv.engine.tp_executor import collective_timeout_s, worker_specs
 from hybridkv.engine.tp_processes import WorkerProcesses
-from hybridkv.engine.tp_worker import started_key
 
 logger = logging.getLogger(__name__)
 
@@ -33,35 +31,47 @@ POLL_S = 0.5
 # After node 0's store stops answering: how long the workers get to exit on their own. A driver
 # that shuts down cleanly sends them Stop and then closes its store, so the two can race.
 STOP_GRACE_S = 10.0
-PING_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 2.0
 
 
 class DriverLink:
-    """A store client of node 0's TCPStore: whether the driver is still there. It connects
-    once the store is up (the driver may start after this node)."""
+    """One idle TCP connection to node 0's store: whether the driver is still there. It connects
+    once the store listens (the driver may start after this node) and is never written to; the
+    driver's process ending closes it (EOF), and TCP keepalive notices a machine that vanished."""
 
     def __init__(self, layout: NodeLayout) -> None:
         self.layout = layout
-        self.store: dist.TCPStore | None = None
+        self.sock: socket.socket | None = None
 
     def connected(self) -> bool:
-        if self.store is None:
+        if self.sock is None:
             try:
-                self.store = dist.TCPStore(self.layout.host, self.layout.port, None, is_master=False,
-                                           timeout=timedelta(seconds=PING_TIMEOUT_S))
-            except Exception:  # noqa: BLE001 - not up yet
+                self.sock = socket.create_connection((self.layout.host, self.layout.port), timeout=CONNECT_TIMEOUT_S)
+            except OSError:  # not up yet
                 return False
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+                if hasattr(socket, option):  # Linux
+                    self.sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
         return True
 
     def alive(self) -> bool:
-        """False once a connected store stops answering (not before it was ever reached)."""
-        if self.store is None:
+        """False once a connection made stops (not before the store was ever reached)."""
+        if self.sock is None:
+            return True
+        readable, _, _ = select.select([self.sock], [], [], 0)
+        if not readable:
             return True
         try:
-            self.store.check([started_key(self.layout.local_ranks[0])])
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
             return True
-        except Exception:  # noqa: BLE001 - connection reset, refused or timed out: the driver is gone
+        except OSError:  # reset, or keepalive gave up
             return False
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
 
 
 def run_node(config: EngineConfig) -> int:
@@ -83,38 +93,40 @@ def run_node(config: EngineConfig) -> int:
         pids = ", ".join(f"rank {r} (pid {p.pid})" for r, p in zip(workers.ranks, workers.processes))
         logger.info("node %d of %d: %s on %s, %d torch thread(s) each; joining the driver at %s (node 0)",
                     layout.node_rank, layout.nnodes, pids, backend, specs[0].threads, layout.address)
-        return supervise(workers, DriverLink(layout))
+        driver = DriverLink(layout)
+        try:
+            return supervise(workers, driver)
+        finally:
+            driver.close()
     finally:
         workers.close()
         signal.signal(signal.SIGTERM, previous)
 
 
 def supervise(workers: WorkerProcesses, driver: DriverLink) -> int:
-    address = driver.layout.address
+    """Poll the workers and the driver until the workers are done; the exit status."""
+    node, address = driver.layout.node_rank, driver.layout.address
     joined = False
     while True:
-        failed = workers.failed()
-        if failed:
-            what = "; ".join(f"rank {r} exited with code {code}" for r, code in failed)
-            if driver.store is not None and not driver.alive():
-                logger.error("the driver (node 0 at %s) is gone: %s; stopping this node's ranks", address, what)
-            else:
-                logger.error("tensor-parallel worker %s (its error is above): stopping this node's ranks", what)
-            return 1
-        if workers.all_exited():
-            logger.info("the driver stopped this node's ranks; node %d exits", driver.layout.node_rank)
-            return 0
         if not joined and driver.connected():
             joined = True
             logger.info("reached the driver's store at %s", address)
-        if joined and not driver.alive():
-            workers.join(STOP_GRACE_S)
-            if workers.all_exited() and not workers.failed():
-                logger.info("the driver stopped this node's ranks; node %d exits", driver.layout.node_rank)
-                return 0
-            running = [r for r, p in zip(workers.ranks, workers.processes) if p.exitcode is None]
-            logger.error("the driver (node 0 at %s) is gone: its store stopped answering; stopping rank(s) %s",
-                         address, ", ".join(map(str, running)))
+        driver_gone = joined and not driver.alive()
+        if driver_gone:
+            workers.join(STOP_GRACE_S)  # a clean shutdown's Stop may still be on its way to them
+        failed = workers.failed()
+        if not failed and workers.all_exited():
+            logger.info("the driver stopped this node's ranks; node %d exits", node)
+            return 0
+        if driver_gone or failed:
+            outcome = "; ".join([f"rank {r} exited with code {code}" for r, code in failed] +
+                                [f"rank {r} still ran, stopped now" for r, p in zip(workers.ranks, workers.processes)
+                                 if p.exitcode is None])
+            if driver_gone or not driver.alive():
+                logger.error("the driver (node 0 at %s) is gone: its store closed the connection; %s", address,
+                             outcome)
+            else:
+                logger.error("a tensor-parallel worker of node %d failed (its error is above): %s", node, outcome)
             return 1
         time.sleep(POLL_S)
 

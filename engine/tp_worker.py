@@ -96,7 +96,12 @@ def worker_main(spec: WorkerSpec) -> None:
     runner = ModelRunner(spec.model_dir, spec.dtype, spec.max_model_len, spec.seed,
                          attention_backend=spec.attention_backend, device=spec.device,
                          parallel=TensorParallel(spec.rank, spec.size))
-    serve(runner)
+    try:
+        serve(runner)
+    except GroupLost as e:  # one line, not gloo's traceback: the driver's (or node's) log says why
+        logger.error("%s", e)
+        sys.stderr.flush()
+        os._exit(1)
     # Told to stop: leave without tearing the process group down. Its gloo threads, destroyed
     # while the driver's side of the connections closes, aborted the process now and then
     # (exit code -6); nothing in this process outlives it. An error above exits the usual way,
@@ -106,10 +111,19 @@ def worker_main(spec: WorkerSpec) -> None:
     os._exit(0)
 
 
+class GroupLost(RuntimeError):
+    """The wait for the driver's next message broke: the driver or another rank is gone."""
+
+
 def serve(runner: ModelRunner) -> None:
     """Execute the driver's messages until Stop."""
     while True:
-        message = receive()
+        try:
+            message = receive()
+        except RuntimeError as e:  # gloo: "Connection closed by peer ...", or the timeout
+            reason = str(e).split(". ")[0]
+            raise GroupLost(f"tensor-parallel rank {dist.get_rank()} lost the process group while waiting for the "
+                            f"driver's next step: {reason}") from e
         if isinstance(message, Stop):
             return
         if isinstance(message, BindKVCache):

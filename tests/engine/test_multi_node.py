@@ -1,7 +1,8 @@
 """Tensor parallelism over two "nodes" on one machine, through loopback: node 1 is a real
 `hybridkv generate --node-rank 1` process, the driver an LLM in this process. The greedy tokens
-equal one node's and one process's; node 1 exits 0 after the driver's shutdown, non-zero naming
-the driver when the driver dies; a driver whose node 1 never comes raises naming the rank. Also
+equal one node's and one process's; node 1 exits 0 after the driver's shutdown, and (as
+`hybridkv serve --node-rank 1`, which starts no server) non-zero naming the driver when the
+driver dies; a driver whose node 1 never comes raises naming the rank. Also
 the layout's validation and torchrun's variables as the fallback source."""
 from __future__ import annotations
 
@@ -37,12 +38,13 @@ def _prompts(vocab: int, n: int) -> list[dict]:
     return [{"prompt_token_ids": torch.randint(3, vocab, (5 + 7 * i,), generator=g).tolist()} for i in range(n)]
 
 
-def _start_node(path: str, port: int) -> subprocess.Popen:
-    """Node 1 of 2, in a session of its own (so a finally can reach its workers too)."""
+def _start_node(path: str, port: int, command: str = "generate") -> subprocess.Popen:
+    """Node 1 of 2 (`hybridkv generate` or `serve`), in a session of its own (so a finally can
+    reach its workers too)."""
+    model = ["--model", path] if command == "generate" else [path, "--port", "0"]
     return subprocess.Popen(
-        [sys.executable, "-m", "hybridkv", "generate", "--model", path, "--dtype", "float32", "--max-model-len",
-         "128", "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
-         "--dist-init-addr", f"127.0.0.1:{port}"],
+        [sys.executable, "-m", "hybridkv", command, *model, "--dtype", "float32", "--max-model-len", "128",
+         "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", f"127.0.0.1:{port}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
@@ -133,7 +135,7 @@ def test_node_1_exits_non_zero_naming_the_driver_when_it_dies(tiny_ckpt, tmp_pat
     script = tmp_path / "driver.py"
     script.write_text(textwrap.dedent(DRIVER))
     port = _free_port()
-    node = _start_node(path, port)
+    node = _start_node(path, port, "serve")
     driver = subprocess.Popen([sys.executable, str(script), path, f"127.0.0.1:{port}"], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -147,6 +149,7 @@ def test_node_1_exits_non_zero_naming_the_driver_when_it_dies(tiny_ckpt, tmp_pat
         assert code != 0, output[-3000:]
         assert took < 30, f"node 1 took {took:.1f}s to notice"
         assert "the driver (node 0 at 127.0.0.1:" in output and "is gone" in output, output[-3000:]
+        assert "serving the OpenAI-compatible API" not in output  # node 1 runs no server
         assert not _group_alive(node.pid), "node 1 left processes behind"
     finally:
         _stop(driver)
@@ -194,6 +197,16 @@ def test_one_node_is_the_default_and_the_single_machine_layout():
 
 
 TORCHRUN = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "LOCAL_RANK": "0"}
+
+
+def test_the_flags_reach_the_engine_config():
+    from hybridkv.entrypoints.cli import build_parser, engine_kwargs
+
+    for command in (["generate"], ["serve", "some/model"]):
+        args = build_parser().parse_args([*command, "--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1",
+                                          "--dist-init-addr", "10.0.0.1:29500"])
+        config = EngineConfig(**engine_kwargs(args))
+        assert (config.nnodes, config.node_rank, config.dist_init_addr) == (2, 1, "10.0.0.1:29500")
 
 
 def test_torchrun_variables_are_the_fallback_and_arguments_win():
