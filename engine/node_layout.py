@@ -9,8 +9,9 @@ worker processes, which connect to that store (engine/tp_node.py).
 Launchers that set torchrun's variables are the fallback source of the same values (one hybridkv
 process per node, e.g. a Kubernetes PyTorchJob or `torchrun --nproc-per-node 1`): WORLD_SIZE is
 the number of nodes, RANK this node's rank, MASTER_ADDR:MASTER_PORT the address. An explicit
-argument (or flag) always wins; the variables are read only when tensor_parallel_size > 1 (a
-one-rank engine has nothing to distribute, so a launcher's environment does not change it).
+argument (or flag) always wins; the variables are read only when tensor_parallel_size > 1 and
+nnodes is not given as 1 (a one-rank or one-node engine has nothing to distribute, so a
+launcher's environment does not change it).
 """
 from __future__ import annotations
 
@@ -47,9 +48,9 @@ def resolve_nodes(tensor_parallel_size: int, nnodes: int | None, node_rank: int 
     """(nnodes, node_rank, dist_init_addr) from the arguments, else torchrun's variables, else
     one node; ValueError when they do not describe a valid layout."""
     env = os.environ if env is None else env
-    if tensor_parallel_size > 1:
+    if tensor_parallel_size > 1 and nnodes != 1 and None in (nnodes, node_rank, dist_init_addr):
         local_rank = _env_int(env, "LOCAL_RANK")
-        if local_rank not in (None, 0) and nnodes is None:
+        if local_rank not in (None, 0):  # a launcher that starts a process per rank: each would start them all
             raise ValueError(f"LOCAL_RANK={local_rank}: run one hybridkv process per node (it starts that "
                              "node's ranks itself), e.g. torchrun --nproc-per-node 1")
         nnodes = nnodes if nnodes is not None else _env_int(env, "WORLD_SIZE")

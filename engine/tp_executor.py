@@ -166,7 +166,7 @@ class WorkerGroup:
         except Exception as e:
             dead = self.workers.exited(wait_s=5.0)
             failure = self._failed(e, dead)  # the ranks are out of step now: the group is gone either way
-            if not dead and not isinstance(e, dist.DistError):
+            if not dead and not is_transport_error(e):
                 raise  # the driver's own error, as it is
             raise failure from e
 
@@ -198,6 +198,12 @@ class WorkerGroup:
         if self.failure is None:
             self.failure = RuntimeError("the tensor-parallel workers were shut down: this engine runs no more steps")
         self.workers.close()
+
+
+def is_transport_error(e: BaseException) -> bool:
+    """Whether a collective failed for want of a peer: torch's DistError, or gloo's plain
+    RuntimeError naming its transport (how a rank on another node that died shows here)."""
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "gloo/transport" in str(e))
 
 
 def open_store(layout: NodeLayout, timeout: timedelta) -> dist.TCPStore:

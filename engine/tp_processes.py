@@ -34,7 +34,7 @@ class WorkerProcesses:
     def exited(self, wait_s: float = 0.0) -> list[tuple[int, int | None]]:
         """(rank, exit code) of every process that exited, waiting up to wait_s for one to show:
         a killed process is reaped a moment after its sockets close."""
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + (wait_s if self.processes else 0.0)
         while True:
             dead = [(r, p.exitcode) for r, p in zip(self.ranks, self.processes) if p.exitcode is not None]
             if dead or time.monotonic() >= deadline:

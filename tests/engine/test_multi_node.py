@@ -117,6 +117,41 @@ def test_two_nodes_over_loopback_give_the_tokens_of_one(tiny_ckpt):
     assert _no_workers_left()
 
 
+@pytest.mark.slow
+def test_a_rank_killed_on_node_1_fails_the_driver_and_node_1(tiny_ckpt):
+    path = tiny_ckpt("llama", num_key_value_heads=4)
+    port = _free_port()
+    node = _start_node(path, port)
+    try:
+        llm = LLM(path, tensor_parallel_size=2, nnodes=2, node_rank=0, dist_init_addr=f"127.0.0.1:{port}", **COMMON)
+        try:
+            runner = llm.engine.runner
+            execute, calls = runner.execute, []
+
+            def execute_then_kill(batch, plan):
+                calls.append(1)
+                if len(calls) == 3:  # mid-generation
+                    os.kill(runner.workers.remote_pids[1], signal.SIGKILL)
+                return execute(batch, plan)
+
+            runner.execute = execute_then_kill
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"rank\(s\) 1 \(node 1\) run on other nodes"):
+                llm.generate(_prompts(320, 2), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                             use_tqdm=False)
+            assert time.monotonic() - t0 < 30
+        finally:
+            llm.shutdown()
+        assert _no_workers_left()
+        assert node.wait(timeout=30) != 0
+        output = _stop(node)
+        assert "a tensor-parallel worker of node 1 failed" in output and "rank 1 exited with code -9" in output, \
+            output[-3000:]
+        assert not _group_alive(node.pid)
+    finally:
+        _stop(node)
+
+
 DRIVER = """
 import sys, time
 from hybridkv.entrypoints import LLM, SamplingParams
@@ -213,6 +248,7 @@ def test_torchrun_variables_are_the_fallback_and_arguments_win():
     assert resolve_nodes(2, None, None, None, TORCHRUN) == (2, 1, "10.0.0.1:29500")
     assert resolve_nodes(4, 2, 0, "node0:1234", TORCHRUN) == (2, 0, "node0:1234")
     assert resolve_nodes(1, None, None, None, TORCHRUN) == (1, 0, None)  # one rank: nothing to distribute
+    assert resolve_nodes(2, 1, None, None, {**TORCHRUN, "LOCAL_RANK": "1"}) == (1, 0, None)  # one node, as asked
     with pytest.raises(ValueError, match="one hybridkv process per node"):
         resolve_nodes(2, None, None, None, {**TORCHRUN, "LOCAL_RANK": "1"})
     with pytest.raises(ValueError, match="WORLD_SIZE='two' is not an integer"):
