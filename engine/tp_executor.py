@@ -15,6 +15,7 @@ tears the group down. Shutdown, garbage collection and interpreter exit stop eve
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -29,7 +30,9 @@ import torch.distributed as dist
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.node_layout import NodeLayout
 from hybridkv.engine.tp_processes import WorkerProcesses
-from hybridkv.engine.tp_worker import BindKVCache, RunStep, Stop, WorkerSpec, started_key
+from hybridkv.engine.tp_worker import (
+    SETTINGS_KEY, BindKVCache, RunStep, Stop, WorkerSpec, refused_key, shared_settings, started_key,
+)
 from hybridkv.block_manager.kv_plan import KVCacheLayout, KVPlan, TierTransfers
 from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
 from hybridkv.model_executor.model_runner import ModelRunner, ModelSkeleton, RunnerOutput
@@ -88,6 +91,7 @@ class WorkerGroup:
         timeout = timedelta(seconds=self.timeout_s)
         store = open_store(self.layout, timeout)
         specs = worker_specs(config, model_dir, device, self.layout, store.port, self.backend, self.timeout_s)
+        store.set(SETTINGS_KEY, json.dumps(shared_settings(specs[0])))  # rank 0's: every worker checks its own
         self.workers = WorkerProcesses([s for s in specs if s.rank != 0], on_close=_leave_group)
         self.processes = self.workers.processes
         self.remote_pids: dict[int, int] = {}  # rank -> pid, as the ranks of other nodes reported it
@@ -112,6 +116,10 @@ class WorkerGroup:
         keys = [started_key(rank) for rank in range(1, self.size)]
         deadline = time.monotonic() + self.timeout_s
         while not store.check(keys):
+            refused = [r for r in range(1, self.size) if store.check([refused_key(r)])]
+            if refused:
+                raise RuntimeError(f"tensor-parallel rank(s) {self._where(refused)} refused to join: "
+                                   + "; ".join(store.get(refused_key(r)).decode() for r in refused))
             dead = self.workers.exited()
             if dead:
                 raise RuntimeError(f"tensor-parallel worker rank {dead[0][0]} exited with code {dead[0][1]} "

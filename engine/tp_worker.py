@@ -8,6 +8,8 @@ forward's all-reduces and the logits gather pair it with the other ranks step by
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import sys
@@ -77,11 +79,44 @@ def started_key(rank: int) -> str:
     return f"hybridkv/tp/started/{rank}"
 
 
+def refused_key(rank: int) -> str:
+    """The store key a worker sets, to why, when its settings differ from the driver's."""
+    return f"hybridkv/tp/refused/{rank}"
+
+
+SETTINGS_KEY = "hybridkv/tp/settings"
+
+
+class SettingsMismatch(ValueError):
+    """This rank was started with other settings than the driver's (another node's flags)."""
+
+
+def shared_settings(spec: WorkerSpec) -> dict[str, object]:
+    """What every rank must agree on: a node started with another dtype, context length or
+    checkpoint would compute garbage or hang in a collective. The driver publishes its own
+    (the checkpoint by its config.json, as its folder may lie elsewhere on another machine)."""
+    try:
+        with open(os.path.join(spec.model_dir, "config.json"), "rb") as f:
+            checkpoint = hashlib.sha256(f.read()).hexdigest()[:16]
+    except OSError:
+        checkpoint = "unreadable"
+    return {"tensor_parallel_size": spec.size, "backend": spec.backend, "dtype": spec.dtype,
+            "max_model_len": spec.max_model_len, "attention_backend": spec.attention_backend,
+            "config.json sha256": checkpoint}
+
+
 def join_group(spec: WorkerSpec) -> None:
     """Join the driver's process group (the driver is rank 0 and holds the store; a worker on
-    another node may start first: the client retries connecting until the timeout)."""
+    another node may start first: the client retries connecting until the timeout). Settings
+    that differ from the driver's are refused before anything loads, on both sides."""
     timeout = timedelta(seconds=spec.timeout_s)
     store = dist.TCPStore(spec.store_host, spec.store_port, spec.size, is_master=False, timeout=timeout)
+    driver, mine = json.loads(store.get(SETTINGS_KEY)), shared_settings(spec)
+    differ = [f"{k} {mine.get(k)!r} (the driver's: {v!r})" for k, v in driver.items() if mine.get(k) != v]
+    if differ:
+        why = f"rank {spec.rank} was started with other settings than the driver's: {'; '.join(differ)}"
+        store.set(refused_key(spec.rank), why)
+        raise SettingsMismatch(why)
     store.set(started_key(spec.rank), str(os.getpid()))  # the driver waits for these, watching the processes
     if spec.backend == "nccl":
         torch.cuda.set_device(torch.device(spec.device))
@@ -92,7 +127,12 @@ def worker_main(spec: WorkerSpec) -> None:
     """The worker process's entry point (multiprocessing 'spawn' target)."""
     logging.basicConfig(level=logging.WARNING, format=f"[tp rank {spec.rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(spec.threads)
-    join_group(spec)
+    try:
+        join_group(spec)
+    except SettingsMismatch as e:
+        logger.error("%s", e)
+        sys.stderr.flush()
+        os._exit(1)
     runner = ModelRunner(spec.model_dir, spec.dtype, spec.max_model_len, spec.seed,
                          attention_backend=spec.attention_backend, device=spec.device,
                          parallel=TensorParallel(spec.rank, spec.size))

@@ -38,12 +38,12 @@ def _prompts(vocab: int, n: int) -> list[dict]:
     return [{"prompt_token_ids": torch.randint(3, vocab, (5 + 7 * i,), generator=g).tolist()} for i in range(n)]
 
 
-def _start_node(path: str, port: int, command: str = "generate") -> subprocess.Popen:
+def _start_node(path: str, port: int, command: str = "generate", max_model_len: int = 128) -> subprocess.Popen:
     """Node 1 of 2 (`hybridkv generate` or `serve`), in a session of its own (so a finally can
     reach its workers too)."""
     model = ["--model", path] if command == "generate" else [path, "--port", "0"]
     return subprocess.Popen(
-        [sys.executable, "-m", "hybridkv", command, *model, "--dtype", "float32", "--max-model-len", "128",
+        [sys.executable, "-m", "hybridkv", command, *model, "--dtype", "float32", "--max-model-len", str(max_model_len),
          "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", f"127.0.0.1:{port}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -203,6 +203,22 @@ def test_the_driver_names_the_rank_that_never_joined(tiny_ckpt, monkeypatch):
     with socket.socket() as s:  # the store's address was given back
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.slow
+def test_a_node_started_with_other_settings_is_refused_by_both_sides(tiny_ckpt):
+    path = tiny_ckpt("llama", num_key_value_heads=4)
+    port = _free_port()
+    node = _start_node(path, port, max_model_len=64)
+    try:
+        with pytest.raises(RuntimeError, match=r"rank\(s\) 1 \(node 1\) refused to join: rank 1 was started with "
+                                               r"other settings than the driver's: max_model_len 64 \(the driver's: 128\)"):
+            LLM(path, tensor_parallel_size=2, nnodes=2, node_rank=0, dist_init_addr=f"127.0.0.1:{port}", **COMMON)
+        assert _no_workers_left()
+        assert node.wait(timeout=30) != 0
+        assert "max_model_len 64 (the driver's: 128)" in _stop(node)
+    finally:
+        _stop(node)
 
 
 def test_a_follower_node_runs_no_engine(tiny_ckpt):
