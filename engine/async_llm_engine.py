@@ -412,6 +412,7 @@ class AsyncLLMEngine:
                 if isinstance(cmd, _Stop):
                     self._fail_all(EngineDeadError("the engine was shut down"))
                     self._publish()
+                    self._stop_workers()
                     return  # commands queued behind the stop are settled by shutdown()
                 self._handle(cmd)
             if commands:
@@ -430,6 +431,15 @@ class AsyncLLMEngine:
             # the step that produced it.
             self._publish()
             self._deliver(outputs)
+
+    def _stop_workers(self) -> None:
+        """Tell tensor-parallel workers to stop (a no-op in one process), from the thread that
+        ran their collectives: a clean stop, so the workers of other nodes exit 0 too, rather
+        than being cut off when this process exits."""
+        try:
+            self.engine.shutdown()
+        except Exception:  # noqa: BLE001 - the workers are killed at exit anyway
+            logger.exception("stopping the tensor-parallel workers failed")
 
     def _drain(self, block: bool) -> list[_Command]:
         commands: list[_Command] = []

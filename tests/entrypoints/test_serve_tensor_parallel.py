@@ -63,31 +63,44 @@ def _status(url: str) -> tuple[int, bytes] | None:
         return None
 
 
-@pytest.mark.slow
-def test_a_killed_rank_fails_requests_turns_health_503_and_stops_the_server(tiny_ckpt):
+SERVE = ["--dtype", "float32", "--max-model-len", "256", "--served-model-name", "tiny", "--disable-access-log",
+         "--tensor-parallel-size", "2", "--kv-cache-memory-bytes", "8MiB", "--no-kv-cache-prefault"]
+
+
+def _start(path: str, *extra: str) -> tuple[subprocess.Popen, queue.Queue[str]]:
+    """`hybridkv serve` (tensor_parallel_size 2) on a free port, its output lines in a queue."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hybridkv", "serve", tiny_ckpt("llama", num_key_value_heads=4), "--port", "0",
-         "--dtype", "float32", "--max-model-len", "256", "--served-model-name", "tiny", "--disable-access-log",
-         "--tensor-parallel-size", "2", "--kv-cache-memory-bytes", "8MiB", "--no-kv-cache-prefault"],
+        [sys.executable, "-m", "hybridkv", "serve", path, "--port", "0", *SERVE, *extra],
         cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True,
     )
     lines: queue.Queue[str] = queue.Queue()
-    log: list[str] = []
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    return proc, lines
+
+
+def _url(proc: subprocess.Popen, lines: queue.Queue[str], log: list[str]) -> str:
+    """The server's base URL, from its startup log (kept in log)."""
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, "server exited early:\n" + "".join(log)
+        try:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            pytest.fail("no startup line within 180 s:\n" + "".join(log))
+        log.append(line)
+        m = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
+        if m:
+            return m.group(1)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_requests_turns_health_503_and_stops_the_server(tiny_ckpt):
+    proc, lines = _start(tiny_ckpt("llama", num_key_value_heads=4))
+    log: list[str] = []
     children: list[int] = []
     try:
-        url = None
-        deadline = time.monotonic() + 180
-        while url is None:
-            assert proc.poll() is None, "server exited early:\n" + "".join(log)
-            try:
-                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail("no startup line within 180 s:\n" + "".join(log))
-            log.append(line)
-            m = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
-            url = m.group(1) if m else None
+        url = _url(proc, lines, log)
         assert "tensor parallel: size 2 on gloo, 1 node(s) x 2 rank(s)" in "".join(log)
         status, metrics = _status(f"{url}/metrics")
         assert status == 200
@@ -161,3 +174,45 @@ def iter_lines(lines: queue.Queue[str]):
             yield lines.get_nowait()
         except queue.Empty:
             return
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_serve_and_both_exit_0_on_sigint(tiny_ckpt):
+    """The two-machine deployment of docs/configuration.md over loopback: node 0 serves, node 1
+    runs rank 1 only; SIGINT to node 0 stops rank 1 cleanly, so both exit 0."""
+    path = tiny_ckpt("llama", num_key_value_heads=4)
+    addr = f"127.0.0.1:{_free_port()}"
+    nodes = ["--nnodes", "2", "--dist-init-addr", addr]
+    follower, follower_lines = _start(path, *nodes, "--node-rank", "1")
+    driver, lines = _start(path, *nodes, "--node-rank", "0")
+    log: list[str] = []
+    try:
+        url = _url(driver, lines, log)
+        assert "2 node(s) x 1 rank(s), rendezvous at " + addr in "".join(log)
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "ignore_eos": True}
+        with urllib.request.urlopen(_post(f"{url}/v1/completions", body), timeout=60) as r:
+            assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 4
+        status, metrics = _status(f"{url}/metrics")
+        assert 'nnodes="2"' in metrics.decode() and 'tensor_parallel_size="2"' in metrics.decode()
+        driver.send_signal(signal.SIGINT)
+        assert driver.wait(timeout=60) == 0
+        assert follower.wait(timeout=30) == 0, "".join(iter_lines(follower_lines))[-3000:]
+        output = "".join(iter_lines(follower_lines))
+        assert "the driver stopped this node's ranks" in output and "serving the OpenAI" not in output
+    finally:
+        for proc in (driver, follower):
+            if proc.poll() is None:
+                proc.kill()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(30)
