@@ -31,7 +31,7 @@ from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.node_layout import NodeLayout
 from hybridkv.engine.tp_processes import WorkerProcesses
 from hybridkv.engine.tp_worker import (
-    SETTINGS_KEY, BindKVCache, RunStep, Stop, WorkerSpec, refused_key, shared_settings, started_key,
+    SETTINGS_KEY, BindKVCache, RunStep, Stop, WorkerSpec, message_group, refused_key, shared_settings, started_key,
 )
 from hybridkv.block_manager.kv_plan import KVCacheLayout, KVPlan, TierTransfers
 from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
@@ -96,6 +96,7 @@ class WorkerGroup:
         self.processes = self.workers.processes
         self.remote_pids: dict[int, int] = {}  # rank -> pid, as the ranks of other nodes reported it
         self.failure: RuntimeError | None = None
+        self.messages: dist.ProcessGroup | None = None  # the driver's messages (tp_worker.message_group)
         self.broadcast_seconds = 0.0  # rank 0 in the per-step broadcasts of the batch and plan
         try:
             self._wait_for_workers(store)
@@ -106,6 +107,7 @@ class WorkerGroup:
             if self.backend == "nccl":
                 torch.cuda.set_device(0)
             dist.init_process_group(self.backend, store=store, rank=0, world_size=self.size, timeout=timeout)
+            self.messages = message_group()
         except Exception as e:
             raise self._failed(e) from e
 
@@ -115,6 +117,9 @@ class WorkerGroup:
         the timeout, name the ranks that never came."""
         keys = [started_key(rank) for rank in range(1, self.size)]
         deadline = time.monotonic() + self.timeout_s
+        if self.layout.remote_ranks:  # other machines may take a while: say what this one waits for
+            logger.info("waiting up to %.0fs for tensor-parallel rank(s) %s to join at %s", self.timeout_s,
+                        self._where(self.layout.remote_ranks), self.layout.address)
         while not store.check(keys):
             refused = [r for r in range(1, self.size) if store.check([refused_key(r)])]
             if refused:
@@ -160,7 +165,7 @@ class WorkerGroup:
         """Send a message to every worker (tp_worker.receive on their side)."""
         t0 = time.perf_counter()
         with self.watch():
-            dist.broadcast_object_list([message], src=0)
+            dist.broadcast_object_list([message], src=0, group=self.messages)
         self.broadcast_seconds += time.perf_counter() - t0
 
     @contextmanager
@@ -199,7 +204,7 @@ class WorkerGroup:
         ranks of other nodes stop on that message too; their nodes then exit)."""
         if graceful and self.failure is None and dist.is_initialized():
             try:
-                dist.broadcast_object_list([Stop()], src=0)
+                dist.broadcast_object_list([Stop()], src=0, group=self.messages)
             except Exception:  # a worker already gone: it is killed below
                 pass
             self.workers.join(timeout_s=10)

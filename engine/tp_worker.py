@@ -67,10 +67,23 @@ class Stop:
     """Leave the loop and the process group."""
 
 
-def receive() -> BindKVCache | RunStep | Stop:
+# How long a worker waits for the driver's next message: as long as the engine is idle, which
+# has no bound (a server with no traffic overnight). The model's own collectives keep the
+# process group's timeout; a driver that dies closes its connections, which ends this wait at
+# once, and a follower node watches the driver besides (engine/tp_node.py).
+IDLE_TIMEOUT = timedelta(days=3650)
+
+
+def message_group() -> dist.ProcessGroup:
+    """The group the driver's messages go through, without the step timeout (IDLE_TIMEOUT).
+    Every rank creates it right after joining, in the same order (new_group is collective)."""
+    return dist.new_group(timeout=IDLE_TIMEOUT)
+
+
+def receive(group: dist.ProcessGroup) -> BindKVCache | RunStep | Stop:
     """The driver's next message (every rank calls this with the driver's send: one broadcast)."""
     box: list = [None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -105,7 +118,7 @@ def shared_settings(spec: WorkerSpec) -> dict[str, object]:
             "config.json sha256": checkpoint}
 
 
-def join_group(spec: WorkerSpec) -> None:
+def join_group(spec: WorkerSpec) -> dist.ProcessGroup:
     """Join the driver's process group (the driver is rank 0 and holds the store; a worker on
     another node may start first: the client retries connecting until the timeout). Settings
     that differ from the driver's are refused before anything loads, on both sides."""
@@ -121,6 +134,7 @@ def join_group(spec: WorkerSpec) -> None:
     if spec.backend == "nccl":
         torch.cuda.set_device(torch.device(spec.device))
     dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.size, timeout=timeout)
+    return message_group()
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -128,7 +142,7 @@ def worker_main(spec: WorkerSpec) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"[tp rank {spec.rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(spec.threads)
     try:
-        join_group(spec)
+        messages = join_group(spec)
     except SettingsMismatch as e:
         logger.error("%s", e)
         sys.stderr.flush()
@@ -137,7 +151,7 @@ def worker_main(spec: WorkerSpec) -> None:
                          attention_backend=spec.attention_backend, device=spec.device,
                          parallel=TensorParallel(spec.rank, spec.size))
     try:
-        serve(runner)
+        serve(runner, messages)
     except GroupLost as e:  # one line, not gloo's traceback: the driver's (or node's) log says why
         logger.error("%s", e)
         sys.stderr.flush()
@@ -155,12 +169,12 @@ class GroupLost(RuntimeError):
     """The wait for the driver's next message broke: the driver or another rank is gone."""
 
 
-def serve(runner: ModelRunner) -> None:
+def serve(runner: ModelRunner, messages: dist.ProcessGroup) -> None:
     """Execute the driver's messages until Stop."""
     while True:
         try:
-            message = receive()
-        except RuntimeError as e:  # gloo: "Connection closed by peer ...", or the timeout
+            message = receive(messages)
+        except RuntimeError as e:  # gloo: "Connection closed by peer ..."
             reason = str(e).split(". ")[0]
             raise GroupLost(f"tensor-parallel rank {dist.get_rank()} lost the process group while waiting for the "
                             f"driver's next step: {reason}") from e

@@ -1,6 +1,7 @@
 """tensor_parallel_size=2 on the CPU (gloo): the same greedy tokens and prompt logprobs as one
 process across prefix hits, chunked prefill and preemption; fewer KV heads than ranks; a worker
-that dies fails generate naming its rank; tensor_parallel_size=1 starts nothing."""
+that dies fails generate naming its rank, an idle engine fails nothing; tensor_parallel_size=1
+starts nothing."""
 from __future__ import annotations
 
 import multiprocessing
@@ -126,6 +127,20 @@ def test_a_killed_worker_fails_generate_naming_its_rank(tiny_ckpt, shut_down):
     assert _no_workers_left()
     with pytest.raises(RuntimeError, match="rank 1"):  # the engine stays failed, and says why
         llm.generate(_prompts(320, 1), GREEDY, use_tqdm=False)
+
+
+@pytest.mark.slow
+def test_an_idle_gap_longer_than_the_step_timeout_does_not_fail_the_workers(tiny_ckpt, shut_down, monkeypatch):
+    """The workers wait for the driver's next step as long as the engine is idle (a server with
+    no traffic); only the model's collectives are held to HYBRIDKV_TP_TIMEOUT_S."""
+    monkeypatch.setenv("HYBRIDKV_TP_TIMEOUT_S", "2")
+    llm = LLM(tiny_ckpt("llama", num_key_value_heads=4), dtype="float32", tensor_parallel_size=2)
+    shut_down(llm)
+    first = llm.generate(_prompts(320, 2), GREEDY, use_tqdm=False)
+    time.sleep(5)
+    assert [p.exitcode for p in llm.engine.runner.workers.processes] == [None]
+    again = llm.generate(_prompts(320, 2), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
 
 
 def test_one_rank_starts_no_process_and_no_process_group(tiny_ckpt):
