@@ -367,6 +367,12 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()
 
+    def check_workers(self) -> None:
+        """Raise, naming the rank, when a tensor-parallel worker of this machine has exited since
+        the last step (nothing to check in one process)."""
+        if isinstance(self.runner, TensorParallelRunner):
+            self.runner.workers.check()
+
     def parallel_layout(self) -> dict[str, str]:
         """How the model is split over processes and machines, as labels (the server exports them
         as hybridkv:parallel_layout, so a dashboard can tell what a deployment runs). backend: the

@@ -161,6 +161,16 @@ class WorkerGroup:
         return (f"tensor parallel: size {self.size} on {self.backend}, {where}; {nodes}; {self.threads} torch "
                 f"thread(s) per rank of {available_cores()} core(s) on this node")
 
+    def check(self) -> None:
+        """Raise the group's failure, or a new one naming the rank when a worker of this node has
+        exited since the last step (between steps nothing else notices; a rank of another node
+        shows at the next step, or its node's log)."""
+        if self.failure is not None:
+            raise self.failure
+        dead = self.workers.exited()
+        if dead:
+            raise self._failed(RuntimeError("it exited while the engine was idle"), dead)
+
     def broadcast(self, message: BindKVCache | RunStep | Stop) -> None:
         """Send a message to every worker (tp_worker.receive on their side)."""
         t0 = time.perf_counter()

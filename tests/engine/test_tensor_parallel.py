@@ -143,6 +143,28 @@ def test_an_idle_gap_longer_than_the_step_timeout_does_not_fail_the_workers(tiny
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
 
 
+@pytest.mark.slow
+def test_an_idle_async_engine_dies_naming_a_killed_worker(tiny_ckpt):
+    """No request needs to fail first: the engine thread looks at its workers while idle, so a
+    server's /health turns 503 (and `hybridkv serve` exits) within a few seconds."""
+    from hybridkv.engine.async_llm_engine import AsyncLLMEngine
+    from hybridkv.engine.config import EngineConfig
+
+    engine = AsyncLLMEngine.from_config(EngineConfig(model=tiny_ckpt("llama", num_key_value_heads=4),
+                                                     dtype="float32", tensor_parallel_size=2))
+    try:
+        assert engine.is_healthy
+        os.kill(engine.engine.runner.workers.processes[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while engine.is_healthy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.is_healthy
+        assert "worker rank 1 exited with code -9" in str(engine.dead_error)
+    finally:
+        engine.shutdown()
+    assert _no_workers_left()
+
+
 def test_one_rank_starts_no_process_and_no_process_group(tiny_ckpt):
     llm = LLM(tiny_ckpt("llama"), dtype="float32", tensor_parallel_size=1)
     assert llm.generate(_prompts(320, 1), GREEDY, use_tqdm=False)[0].outputs[0].token_ids
