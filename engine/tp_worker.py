@@ -1,10 +1,12 @@
 """A tensor-parallel worker process (ranks 1..N-1) and the messages the driver sends it.
 
 The driver (rank 0, the engine's process) owns the scheduler and the KV cache manager; a worker
-owns only its model shard and its KV shard. It joins the process group, loads its slices of the
-checkpoint, then executes what the driver broadcasts (torch.distributed.broadcast_object_list):
-the KV layout once, then every step's sequences and KV plan, until it is told to stop. Each
-forward's all-reduces and the logits gather pair it with the other ranks step by step.
+owns only its model shard and its KV shard. It joins the process group (through the driver's
+store, on this machine or on node 0: engine/node_layout.py, after checking that it was started
+with the driver's settings), loads its slices of the checkpoint, then executes what the driver
+broadcasts (torch.distributed.broadcast_object_list): the KV layout once, then every step's
+sequences and KV plan, until it is told to stop. Each forward's all-reduces and the logits
+gather pair it with the other ranks step by step.
 """
 from __future__ import annotations
 
