@@ -66,6 +66,15 @@ def _group_alive(pgid: int) -> list[int]:
     return alive
 
 
+def _group_left(pgid: int, wait_s: float = 10.0) -> list[int]:
+    """The group's processes still alive after up to wait_s (an exiting process, or multiprocessing's
+    resource tracker that follows its parent out, takes a moment)."""
+    deadline = time.monotonic() + wait_s
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _group_alive(pgid)
+
+
 def _stop(proc: subprocess.Popen) -> str:
     """Kill whatever of the process's session still runs; its output."""
     if proc.poll() is None:
@@ -108,10 +117,10 @@ def test_two_nodes_over_loopback_give_the_tokens_of_one(tiny_ckpt):
         finally:
             llm.shutdown()
         assert node.wait(timeout=30) == 0, "node 1 did not exit 0 after the driver's shutdown"
+        assert not _group_left(node.pid), "node 1 left processes behind"
         print(f"two nodes: {time.monotonic() - t0:.1f}s")
     finally:
         output = _stop(node)
-        assert not _group_alive(node.pid), "node 1 left processes behind"
     assert got == single_node == want, output[-3000:]
     assert "joining the driver at 127.0.0.1" in output and "the driver stopped this node's ranks" in output
     assert _no_workers_left()
@@ -144,10 +153,10 @@ def test_a_rank_killed_on_node_1_fails_the_driver_and_node_1(tiny_ckpt):
             llm.shutdown()
         assert _no_workers_left()
         assert node.wait(timeout=30) != 0
+        assert not _group_left(node.pid), "node 1 left processes behind"
         output = _stop(node)
         assert "a tensor-parallel worker of node 1 failed" in output and "rank 1 exited with code -9" in output, \
             output[-3000:]
-        assert not _group_alive(node.pid)
     finally:
         _stop(node)
 
@@ -180,12 +189,12 @@ def test_node_1_exits_non_zero_naming_the_driver_when_it_dies(tiny_ckpt, tmp_pat
         t0 = time.monotonic()
         code = node.wait(timeout=60)
         took = time.monotonic() - t0
+        assert not _group_left(node.pid), "node 1 left processes behind"
         output = _stop(node)
         assert code != 0, output[-3000:]
         assert took < 30, f"node 1 took {took:.1f}s to notice"
         assert "the driver (node 0 at 127.0.0.1:" in output and "is gone" in output, output[-3000:]
         assert "serving the OpenAI-compatible API" not in output  # node 1 runs no server
-        assert not _group_alive(node.pid), "node 1 left processes behind"
     finally:
         _stop(driver)
         _stop(node)
