@@ -9,6 +9,7 @@ import torch
 from hybridkv.attention_backends.registry import validate_attention_backend_name
 from hybridkv.engine.gap_budget import check_step_seconds
 from hybridkv.engine.kv_event_publisher import KVEventsConfig
+from hybridkv.engine.node_layout import resolve_nodes
 
 
 def resolve_device(name: str) -> torch.device:
@@ -115,9 +116,18 @@ class EngineConfig:
     # Mixture-of-experts models only. Refused with tensor_parallel_size=1, where there is nothing
     # to split: a silently ignored flag would hide a mistyped size.
     enable_expert_parallel: bool = False
+    # The machines the ranks run on (SGLang's names; engine/node_layout.py): tensor_parallel_size
+    # split evenly over nnodes; node 0 runs the driver and hosts the rendezvous at dist_init_addr
+    # ("host:port"), every other node only its workers (engine/tp_node.py). None = torchrun's
+    # WORLD_SIZE / RANK / MASTER_ADDR:MASTER_PORT when tensor_parallel_size > 1, else one node.
+    nnodes: int | None = None
+    node_rank: int | None = None
+    dist_init_addr: str | None = None
 
     def __post_init__(self) -> None:
         self._check_tensor_parallel()
+        self.nnodes, self.node_rank, self.dist_init_addr = resolve_nodes(
+            self.tensor_parallel_size, self.nnodes, self.node_rank, self.dist_init_addr)
         validate_attention_backend_name(self.attention_backend)
         resolve_device(self.device)  # a device this machine lacks fails before the model loads
         if self.num_threads is not None and self.num_threads < 1:

@@ -76,6 +76,10 @@ WORKER_THREADS = 2
 INLINE_JSON_BYTES = 64 << 10  # smaller bodies parse on the loop: well under a millisecond, no thread hop
 _SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+# A dead engine never recovers: the seconds serve() keeps answering 503 before it exits (enough
+# for in-flight responses to be written and a health check to see the 503), and how often it looks.
+DEAD_ENGINE_EXIT_S = 5.0
+ENGINE_WATCH_S = 0.2
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -281,7 +285,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings | None = None) ->
             "max_seqs_per_request": settings.max_seqs_per_request,
             "max_connections": settings.max_connections,
             "max_request_body_bytes": settings.max_request_body_bytes,
-        }, gc_pauses=gc_pauses),
+        }, gc_pauses=gc_pauses, parallel_layout=engine.parallel_layout),
         executor=executor,
         max_token_bytes=longest_token_bytes(tokenizer),
         max_seqs_per_request=settings.max_seqs_per_request,
@@ -410,9 +414,13 @@ async def start_server(
 
 async def serve(
     engine: AsyncLLMEngine, settings: ServerSettings, host: str, port: int, *, access_log: bool = True,
-    on_ready: Callable[[int], None] | None = None,
-) -> None:
-    """Serve until SIGINT/SIGTERM, then shut down gracefully (in-flight requests are aborted)."""
+    on_ready: Callable[[int], None] | None = None, dead_engine_exit_s: float = DEAD_ENGINE_EXIT_S,
+) -> int:
+    """Serve until SIGINT/SIGTERM, then shut down gracefully (in-flight requests are aborted):
+    the exit status is 0. An engine that dies (a lost tensor-parallel rank, a failed step) never
+    recovers: the server answers 503 for dead_engine_exit_s more seconds (the in-flight requests
+    get their errors, health checks see it) and then stops, the exit status 1, so whatever
+    supervises the process can restart it."""
     app = build_app(engine, settings)
     # This process is the server: what it loaded to get here lives as long as it does, so no
     # collection should walk it again (gc_pauses.py: a full collection of it is ~0.3 s). Before
@@ -420,16 +428,33 @@ async def serve(
     logger.info("froze %d startup objects out of garbage collection", freeze_startup_heap())
     runner, bound = await start_server(app, host, port, access_log=access_log)
     stop = asyncio.Event()
+    died: list[BaseException | None] = []
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+    async def stop_when_the_engine_dies() -> None:
+        while not engine.errored:
+            await asyncio.sleep(ENGINE_WATCH_S)
+        logger.error("the engine died: %s; answering 503 for %gs, then exiting", engine.dead_error,
+                     dead_engine_exit_s)
+        await asyncio.sleep(dead_engine_exit_s)
+        died.append(engine.dead_error)
+        stop.set()
+
+    watcher = asyncio.create_task(stop_when_the_engine_dies())
     if on_ready is not None:
         on_ready(bound)
     try:
         await stop.wait()
-        logger.info("shutting down: aborting in-flight requests and stopping the engine")
+        if died:
+            logger.error("exiting because the engine died: %s", died[0])
+        else:
+            logger.info("shutting down: aborting in-flight requests and stopping the engine")
     finally:
+        watcher.cancel()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         await runner.cleanup()
         engine.shutdown()  # no-op when on_shutdown already stopped it
+    return 1 if died else 0

@@ -1,6 +1,7 @@
 """tensor_parallel_size=2 on the CPU (gloo): the same greedy tokens and prompt logprobs as one
 process across prefix hits, chunked prefill and preemption; fewer KV heads than ranks; a worker
-that dies fails generate naming its rank; tensor_parallel_size=1 starts nothing."""
+that dies fails generate naming its rank, an idle engine fails nothing; tensor_parallel_size=1
+starts nothing."""
 from __future__ import annotations
 
 import multiprocessing
@@ -67,6 +68,42 @@ def test_a_killed_worker_fails_generate_naming_its_rank(tiny_ckpt, shut_down):
     assert no_workers_left()
     with pytest.raises(RuntimeError, match="rank 1"):  # the engine stays failed, and says why
         llm.generate(prompts_with_prefix(320, 1), GREEDY, use_tqdm=False)
+
+
+@pytest.mark.slow
+def test_an_idle_gap_longer_than_the_step_timeout_does_not_fail_the_workers(tiny_ckpt, shut_down, monkeypatch):
+    """The workers wait for the driver's next step as long as the engine is idle (a server with
+    no traffic); only the model's collectives are held to HYBRIDKV_TP_TIMEOUT_S."""
+    monkeypatch.setenv("HYBRIDKV_TP_TIMEOUT_S", "2")
+    llm = LLM(tiny_ckpt("llama", num_key_value_heads=4), dtype="float32", tensor_parallel_size=2)
+    shut_down(llm)
+    first = llm.generate(prompts_with_prefix(320, 2), GREEDY, use_tqdm=False)
+    time.sleep(5)
+    assert [p.exitcode for p in llm.engine.runner.workers.processes] == [None]
+    again = llm.generate(prompts_with_prefix(320, 2), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+
+
+@pytest.mark.slow
+def test_an_idle_async_engine_dies_naming_a_killed_worker(tiny_ckpt):
+    """No request needs to fail first: the engine thread looks at its workers while idle, so a
+    server's /health turns 503 (and `hybridkv serve` exits) within a few seconds."""
+    from hybridkv.engine.async_llm_engine import AsyncLLMEngine
+    from hybridkv.engine.config import EngineConfig
+
+    engine = AsyncLLMEngine.from_config(EngineConfig(model=tiny_ckpt("llama", num_key_value_heads=4),
+                                                     dtype="float32", tensor_parallel_size=2))
+    try:
+        assert engine.is_healthy
+        os.kill(engine.engine.runner.workers.processes[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while engine.is_healthy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.is_healthy
+        assert "worker rank 1 exited with code -9" in str(engine.dead_error)
+    finally:
+        engine.shutdown()
+    assert no_workers_left()
 
 
 def test_one_rank_starts_no_process_and_no_process_group(tiny_ckpt):
