@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+WORKER_CHECK_S = 1.0
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread failed (or was shut down); in-flight and new requests cannot complete."""
 
@@ -267,12 +270,16 @@ class AsyncLLMEngine:
         self.max_model_len = engine.max_model_len
         self.config = engine.config
         self.model_dir = engine.model_dir
+        self.parallel_layout = engine.parallel_layout()  # fixed for the engine's life
         # The checkpoint's generation_config sampling defaults (read-only after init).
         self.generation_defaults: dict[str, Any] = dict(engine.generation_defaults.defaults)
         self._commands: "queue.SimpleQueue[_Command]" = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._dead_error: BaseException | None = None
         self._stopping = False
+        # Idle, the engine thread wakes this often to look at its tensor-parallel workers (one
+        # process: it sleeps until a command comes).
+        self._idle_wake_s = WORKER_CHECK_S if engine.config.tensor_parallel_size > 1 else None
         self._snapshot = EngineSnapshot.capture(engine)
         self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
         self._thread.start()
@@ -427,11 +434,14 @@ class AsyncLLMEngine:
                 if isinstance(cmd, _Stop):
                     self._fail_all(EngineDeadError("the engine was shut down"))
                     self._publish()
+                    self._stop_workers()
                     return  # commands queued behind the stop are settled by shutdown()
                 self._handle(cmd)
             if commands:
                 self._publish()  # new/aborted requests show in the metrics before a long step starts
             if self._dead_error is not None or not engine.has_unfinished_requests():
+                if not commands and self._dead_error is None:  # woken idle: are the workers still there?
+                    self._check_workers()
                 continue
             try:
                 outputs = engine.step()
@@ -446,10 +456,33 @@ class AsyncLLMEngine:
             self._publish()
             self._deliver(outputs)
 
+    def _check_workers(self) -> None:
+        """An idle engine learns of a lost tensor-parallel worker here, not at the next request:
+        it dies now, so /health answers 503 and a server exits for its supervisor to restart."""
+        try:
+            self.engine.check_workers()
+        except Exception as e:  # noqa: BLE001 - the engine cannot continue without the rank
+            logger.error("the engine lost a tensor-parallel worker while idle: %s", e)
+            self._dead_error = e
+            self._fail_all(EngineDeadError(f"engine died: {e!r}"))
+            self._publish()
+
+    def _stop_workers(self) -> None:
+        """Tell tensor-parallel workers to stop (a no-op in one process), from the thread that
+        ran their collectives: a clean stop, so the workers of other nodes exit 0 too, rather
+        than being cut off when this process exits."""
+        try:
+            self.engine.shutdown()
+        except Exception:  # noqa: BLE001 - the workers are killed at exit anyway
+            logger.exception("stopping the tensor-parallel workers failed")
+
     def _drain(self, block: bool) -> list[_Command]:
         commands: list[_Command] = []
         if block:
-            commands.append(self._commands.get())
+            try:
+                commands.append(self._commands.get(timeout=self._idle_wake_s))
+            except queue.Empty:
+                return commands
         while True:
             try:
                 commands.append(self._commands.get_nowait())

@@ -9,6 +9,7 @@ import torch
 from hybridkv.attention_backends.registry import validate_attention_backend_name
 from hybridkv.engine.gap_budget import check_step_seconds
 from hybridkv.engine.kv_event_publisher import KVEventsConfig
+from hybridkv.engine.node_layout import resolve_nodes
 
 
 def resolve_device(name: str) -> torch.device:
@@ -110,9 +111,23 @@ class EngineConfig:
     # Model shards, one process each (vLLM's name; engine/tp_executor.py): 1 = one process, no
     # torch.distributed. With N > 1, num_threads is per rank (default: the cores shared evenly).
     tensor_parallel_size: int = 1
+    # Expert parallelism (vLLM's name): under tensor_parallel_size > 1 each rank holds whole
+    # routed experts, 1/N of them, instead of 1/N of every expert's intermediate size.
+    # Mixture-of-experts models only. Refused with tensor_parallel_size=1, where there is nothing
+    # to split: a silently ignored flag would hide a mistyped size.
+    enable_expert_parallel: bool = False
+    # The machines the ranks run on (SGLang's names; engine/node_layout.py): tensor_parallel_size
+    # split evenly over nnodes; node 0 runs the driver and hosts the rendezvous at dist_init_addr
+    # ("host:port"), every other node only its workers (engine/tp_node.py). None = torchrun's
+    # WORLD_SIZE / RANK / MASTER_ADDR:MASTER_PORT when tensor_parallel_size > 1, else one node.
+    nnodes: int | None = None
+    node_rank: int | None = None
+    dist_init_addr: str | None = None
 
     def __post_init__(self) -> None:
         self._check_tensor_parallel()
+        self.nnodes, self.node_rank, self.dist_init_addr = resolve_nodes(
+            self.tensor_parallel_size, self.nnodes, self.node_rank, self.dist_init_addr)
         validate_attention_backend_name(self.attention_backend)
         resolve_device(self.device)  # a device this machine lacks fails before the model loads
         if self.num_threads is not None and self.num_threads < 1:
@@ -159,6 +174,9 @@ class EngineConfig:
         n = self.tensor_parallel_size
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}")
+        if n == 1 and self.enable_expert_parallel:
+            raise ValueError("enable_expert_parallel splits the routed experts across tensor-parallel ranks: "
+                             "it needs tensor_parallel_size > 1 (got 1)")
 
 
 @dataclass(frozen=True)

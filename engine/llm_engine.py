@@ -45,8 +45,13 @@ __all__ = ["LLMEngine", "PromptType", "as_token_ids", "is_token_array"]
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.node_rank:
+            raise ValueError(f"node_rank={config.node_rank} runs no engine, only its tensor-parallel workers: "
+                             "start it with `hybridkv serve` or `hybridkv generate` and --node-rank "
+                             "(engine/tp_node.py); the engine runs on node 0")
         self.config = config
-        parallel = TensorParallel(0, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        parallel = (TensorParallel(0, config.tensor_parallel_size, config.enable_expert_parallel)
+                    if config.tensor_parallel_size > 1 else None)
         self._threads_before = torch.get_num_threads()  # given back at shutdown (tensor parallelism)
         if parallel is not None:
             torch.set_num_threads(threads_per_rank(config))  # this process is rank 0: its share of the cores
@@ -409,6 +414,22 @@ class LLMEngine:
         """Hand the KV cache events of the last step (or call) to the publisher, as one batch."""
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.publish(self.kv.take_kv_events())
+
+    def check_workers(self) -> None:
+        """Raise, naming the rank, when a tensor-parallel worker of this machine has exited since
+        the last step (nothing to check in one process)."""
+        if isinstance(self.runner, TensorParallelRunner):
+            self.runner.workers.check()
+
+    def parallel_layout(self) -> dict[str, str]:
+        """How the model is split over processes and machines, as labels (the server exports them
+        as hybridkv:parallel_layout, so a dashboard can tell what a deployment runs). backend: the
+        collectives' (gloo, nccl), "none" in one process."""
+        workers = getattr(self.runner, "workers", None)
+        expert_parallel = bool(getattr(self.config, "enable_expert_parallel", False))  # not every build has it
+        return {"tensor_parallel_size": str(self.config.tensor_parallel_size), "nnodes": str(self.config.nnodes),
+                "backend": workers.backend if workers is not None else "none",
+                "expert_parallel": str(expert_parallel).lower()}
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with tensor_parallel_size=1). Garbage

@@ -1,15 +1,18 @@
 """A tensor-parallel worker process (ranks 1..N-1) and the messages the driver sends it.
 
 The driver (rank 0, the engine's process) owns the scheduler and the KV cache manager; a worker
-owns only its model shard and its KV shard. It joins the process group, loads its slices of the
-checkpoint, then executes what the driver broadcasts (torch.distributed.broadcast_object_list):
-the KV layout (and the host tier's, when there is one) once, then every step's sequences and KV
-plan and the tier copies decided between steps, until it is told to stop. Every rank thus runs
-the same copies on its own KV shard and host buffers, from the driver's one plan. Each
-forward's all-reduces and the logits gather pair it with the other ranks step by step.
+owns only its model shard and its KV shard. It joins the process group (through the driver's
+store, on this machine or on node 0: engine/node_layout.py, after checking that it was started
+with the driver's settings), loads its slices of the checkpoint, then executes what the driver
+broadcasts (torch.distributed.broadcast_object_list): the KV layout (and the host tier's, when
+there is one) once, then every step's sequences and KV plan and the tier copies decided between steps, until it is told to stop. Every
+rank thus runs the same copies on its own KV shard and host buffers, from the driver's one plan. Each forward's all-reduces and the logits
+gather pair it with the other ranks step by step.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import sys
@@ -33,7 +36,7 @@ class WorkerSpec:
 
     rank: int
     size: int
-    store_port: int  # the driver's TCPStore on 127.0.0.1: the process group's rendezvous
+    store_port: int  # the driver's TCPStore (at store_host): the process group's rendezvous
     backend: str  # "gloo" (CPU) or "nccl" (CUDA)
     timeout_s: float  # every collective's limit: a rank that stops answering fails the others
     threads: int  # torch threads of this rank (its share of the cores)
@@ -42,7 +45,9 @@ class WorkerSpec:
     max_model_len: int | None
     seed: int
     attention_backend: str
-    device: str  # "cpu" or "cuda:<rank>"
+    device: str  # "cpu" or "cuda:<the rank's index on its node>"
+    expert_parallel: bool = False  # EngineConfig.enable_expert_parallel
+    store_host: str = "127.0.0.1"  # node 0's address (dist_init_addr) when the ranks span nodes
 
 
 @dataclass(frozen=True)
@@ -65,21 +70,26 @@ class BindHostCache:
 @dataclass(frozen=True)
 class RunStep:
     """One forward: the step's sequences (plain ScheduledSequences, no engine objects) and its plan
-    (whose tier copies run first, as on the driver). released: requests that left the device
-    since the last message (their HiSparse hot-buffer rows are emptied before the step)."""
+    (whose tier copies run first, as on the driver)."""
 
     sequences: list[ScheduledSequence]
     plan: KVPlan
-    released: list[str]
 
 
 @dataclass(frozen=True)
 class RunCopies:
     """Tier copies decided between steps (write-through, write-back of evicted pages, load-backs
-    of a swap-in), run now on this rank's shard; released as in RunStep."""
+    of a swap-in), run now on this rank's shard."""
 
     copies: TierTransfers
-    released: list[str]
+
+
+@dataclass(frozen=True)
+class Release:
+    """Requests that left the device (finished, preempted, aborted): their HiSparse hot-buffer
+    rows are emptied on this rank as on the driver, when they leave, so an idle group holds none."""
+
+    request_ids: list[str]
 
 
 @dataclass(frozen=True)
@@ -101,17 +111,37 @@ class WriteHostPages:
 
 
 @dataclass(frozen=True)
+class ReportState:
+    """Send the driver what this rank holds between steps (a gather follows): the invariant that
+    an idle group holds nothing is checked on every rank, not only the driver's."""
+
+
+@dataclass(frozen=True)
 class Stop:
     """Leave the loop and the process group."""
 
 
-Message = BindKVCache | BindHostCache | RunStep | RunCopies | ReadHostPages | WriteHostPages | Stop
+# How long a worker waits for the driver's next message: as long as the engine is idle, which
+# has no bound (a server with no traffic overnight). The model's own collectives keep the
+# process group's timeout; a driver that dies closes its connections, which ends this wait at
+# once, and a follower node watches the driver besides (engine/tp_node.py).
+IDLE_TIMEOUT = timedelta(days=3650)
 
 
-def receive() -> Message:
+def message_group() -> dist.ProcessGroup:
+    """The group the driver's messages go through, without the step timeout (IDLE_TIMEOUT).
+    Every rank creates it right after joining, in the same order (new_group is collective)."""
+    return dist.new_group(timeout=IDLE_TIMEOUT)
+
+
+Message = (BindKVCache | BindHostCache | RunStep | RunCopies | Release | ReadHostPages | WriteHostPages
+           | ReportState | Stop)
+
+
+def receive(group: dist.ProcessGroup) -> Message:
     """The driver's next message (every rank calls this with the driver's send: one broadcast)."""
     box: list = [None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -120,25 +150,70 @@ def started_key(rank: int) -> str:
     return f"hybridkv/tp/started/{rank}"
 
 
-def join_group(spec: WorkerSpec) -> None:
-    """Join the driver's process group (the driver is rank 0 and holds the store)."""
+def refused_key(rank: int) -> str:
+    """The store key a worker sets, to why, when its settings differ from the driver's."""
+    return f"hybridkv/tp/refused/{rank}"
+
+
+SETTINGS_KEY = "hybridkv/tp/settings"
+
+
+class SettingsMismatch(ValueError):
+    """This rank was started with other settings than the driver's (another node's flags)."""
+
+
+def shared_settings(spec: WorkerSpec) -> dict[str, object]:
+    """What every rank must agree on: a node started with another dtype, context length or
+    checkpoint would compute garbage or hang in a collective. The driver publishes its own
+    (the checkpoint by its config.json, as its folder may lie elsewhere on another machine)."""
+    try:
+        with open(os.path.join(spec.model_dir, "config.json"), "rb") as f:
+            checkpoint = hashlib.sha256(f.read()).hexdigest()[:16]
+    except OSError:
+        checkpoint = "unreadable"
+    return {"tensor_parallel_size": spec.size, "backend": spec.backend, "dtype": spec.dtype,
+            "max_model_len": spec.max_model_len, "attention_backend": spec.attention_backend,
+            "expert_parallel": spec.expert_parallel, "config.json sha256": checkpoint}
+
+
+def join_group(spec: WorkerSpec) -> dist.ProcessGroup:
+    """Join the driver's process group (the driver is rank 0 and holds the store; a worker on
+    another node may start first: the client retries connecting until the timeout). Settings
+    that differ from the driver's are refused before anything loads, on both sides."""
     timeout = timedelta(seconds=spec.timeout_s)
-    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.size, is_master=False, timeout=timeout)
+    store = dist.TCPStore(spec.store_host, spec.store_port, spec.size, is_master=False, timeout=timeout)
+    driver, mine = json.loads(store.get(SETTINGS_KEY)), shared_settings(spec)
+    differ = [f"{k} {mine.get(k)!r} (the driver's: {v!r})" for k, v in driver.items() if mine.get(k) != v]
+    if differ:
+        why = f"rank {spec.rank} was started with other settings than the driver's: {'; '.join(differ)}"
+        store.set(refused_key(spec.rank), why)
+        raise SettingsMismatch(why)
     store.set(started_key(spec.rank), str(os.getpid()))  # the driver waits for these, watching the processes
     if spec.backend == "nccl":
-        torch.cuda.set_device(spec.rank)
+        torch.cuda.set_device(torch.device(spec.device))
     dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.size, timeout=timeout)
+    return message_group()
 
 
 def worker_main(spec: WorkerSpec) -> None:
     """The worker process's entry point (multiprocessing 'spawn' target)."""
     logging.basicConfig(level=logging.WARNING, format=f"[tp rank {spec.rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(spec.threads)
-    join_group(spec)
+    try:
+        messages = join_group(spec)
+    except SettingsMismatch as e:
+        logger.error("%s", e)
+        sys.stderr.flush()
+        os._exit(1)
     runner = ModelRunner(spec.model_dir, spec.dtype, spec.max_model_len, spec.seed,
                          attention_backend=spec.attention_backend, device=spec.device,
-                         parallel=TensorParallel(spec.rank, spec.size))
-    serve(runner)
+                         parallel=TensorParallel(spec.rank, spec.size, spec.expert_parallel))
+    try:
+        serve(runner, messages)
+    except GroupLost as e:  # one line, not gloo's traceback: the driver's (or node's) log says why
+        logger.error("%s", e)
+        sys.stderr.flush()
+        os._exit(1)
     # Told to stop: leave without tearing the process group down. Its gloo threads, destroyed
     # while the driver's side of the connections closes, aborted the process now and then
     # (exit code -6); nothing in this process outlives it. An error above exits the usual way,
@@ -148,10 +223,19 @@ def worker_main(spec: WorkerSpec) -> None:
     os._exit(0)
 
 
-def serve(runner: ModelRunner) -> None:
+class GroupLost(RuntimeError):
+    """The wait for the driver's next message broke: the driver or another rank is gone."""
+
+
+def serve(runner: ModelRunner, messages: dist.ProcessGroup) -> None:
     """Execute the driver's messages until Stop."""
     while True:
-        message = receive()
+        try:
+            message = receive(messages)
+        except RuntimeError as e:  # gloo: "Connection closed by peer ..."
+            reason = str(e).split(". ")[0]
+            raise GroupLost(f"tensor-parallel rank {dist.get_rank()} lost the process group while waiting for the "
+                            f"driver's next step: {reason}") from e
         if isinstance(message, Stop):
             return
         if isinstance(message, BindKVCache):
@@ -159,11 +243,13 @@ def serve(runner: ModelRunner) -> None:
         elif isinstance(message, BindHostCache):
             runner.bind_host_cache(message.host_pages, message.mem_layout)
         elif isinstance(message, RunStep):
-            release(runner, message.released)
             runner.execute(ModelInput(message.sequences), message.plan)
         elif isinstance(message, RunCopies):
-            release(runner, message.released)
             runner.run_copies(message.copies)
+        elif isinstance(message, Release):
+            release(runner, message.request_ids)
+        elif isinstance(message, ReportState):
+            dist.gather_object(rank_state(runner), None, dst=0)
         elif isinstance(message, ReadHostPages):
             dist.gather_object(runner.host_cache.read_pages(message.space, message.pages), None, dst=0)
         elif isinstance(message, WriteHostPages):
@@ -182,3 +268,15 @@ def release(runner: ModelRunner, request_ids: list[str]) -> None:
     if buffers is not None:
         for rid in request_ids:
             buffers.forget(rid)
+
+
+def rank_state(runner: ModelRunner) -> dict[str, int]:
+    """What this rank holds beyond its pages: HiSparse hot-buffer rows (and requests still
+    counted), and host-tier load-backs not yet completed. All zero on an idle rank."""
+    buffers = runner.hot_buffers
+    host = runner.host_cache
+    return {
+        "hot_buffer_rows": buffers.num_active if buffers is not None else 0,
+        "hot_buffer_requests_counted": buffers.num_tracked if buffers is not None else 0,
+        "pending_load_backs": int(host is not None and host.has_pending_loads),
+    }

@@ -95,7 +95,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU compute threads (default: OMP_NUM_THREADS, else one per core)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="model shards, one process each (torch.distributed, gloo on the CPU); dense "
-                        "Llama-family and Gemma-3 models, no host/storage tier or HiSparse yet (default: 1)")
+                        "Llama-family and Gemma-3 models and DeepSeek-V4, every KV tier on each rank (default: 1)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size > 1: each rank holds whole routed experts (1/N of "
+                        "them) instead of a slice of every expert; mixture-of-experts models only")
+    n = p.add_argument_group("several machines (tensor parallelism across nodes; SGLang's flags)")
+    n.add_argument("--nnodes", type=int, default=None,
+                   help="machines the --tensor-parallel-size ranks are split over, evenly (default: $WORLD_SIZE "
+                        "with --tensor-parallel-size > 1, else 1)")
+    n.add_argument("--node-rank", type=int, default=None,
+                   help="this machine's index: 0 runs the engine (and the server); any other runs only its "
+                        "ranks, until node 0 stops them (default: $RANK, else 0)")
+    n.add_argument("--dist-init-addr", default=None,
+                   help="host:port of node 0, where it listens for the other nodes' ranks "
+                        "(default: $MASTER_ADDR:$MASTER_PORT; needed with --nnodes > 1)")
     p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="greedy decode steps per model call when every running request decodes greedily "
                         "and none waits (default: 8 without a step target, so `generate`; 1 with one, so `serve`)")
@@ -158,6 +171,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         num_threads=args.num_threads,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_init_addr=args.dist_init_addr,
         num_scheduler_steps=args.num_scheduler_steps,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         kv_cache_prefault=args.kv_cache_prefault,
@@ -186,9 +203,25 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+def _follower_node(model: str | None, kwargs: dict) -> int | None:
+    """With --node-rank > 0: run this node's tensor-parallel ranks until node 0 stops them (no
+    engine, no server) and return the exit status; None on node 0."""
+    from hybridkv.engine.config import EngineConfig
+
+    config = EngineConfig(model=model, **kwargs)
+    if not config.node_rank:
+        return None
+    from hybridkv.engine.tp_node import run_node
+
+    return run_node(config)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from hybridkv.entrypoints import LLM, SamplingParams
 
+    status = _follower_node(args.model, engine_kwargs(args))
+    if status is not None:
+        return status
     llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed
@@ -229,6 +262,7 @@ def server_settings(args: argparse.Namespace, chat_template: str | None):
         max_connections=args.max_connections,
         max_seqs_per_request=args.max_seqs_per_request,
         metrics_require_api_key=args.metrics_require_api_key,
+        reasoning_parser=args.reasoning_parser,
     )
     settings.validate()
     return settings
@@ -251,6 +285,9 @@ def _serve(args: argparse.Namespace) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
     kwargs = serve_engine_kwargs(args)
+    status = _follower_node(args.model_tag or args.model, kwargs)
+    if status is not None:
+        return status
     settings = server_settings(args, kwargs["chat_template"])
     engine = AsyncLLMEngine.from_config(EngineConfig(model=args.model_tag or args.model, **kwargs),
                                         max_queued_requests=max_queued_requests(args))
@@ -277,15 +314,18 @@ def _serve(args: argparse.Namespace) -> int:
             log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
 
     try:
-        asyncio.run(serve(engine, settings, args.host, args.port, access_log=not args.disable_access_log,
-                          on_ready=ready))
+        status = asyncio.run(serve(engine, settings, args.host, args.port, access_log=not args.disable_access_log,
+                                   on_ready=ready))
     except OSError as e:  # e.g. the port is taken
         print(f"hybridkv: error: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
     finally:
         engine.shutdown()
-    log.info("server stopped")
-    return 0
+    if status:
+        log.error("server stopped: the engine died")
+    else:
+        log.info("server stopped")
+    return status
 
 
 def _fleet(args: argparse.Namespace) -> int:
@@ -337,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-require-api-key", action="store_true",
                    help="with an API key, /metrics needs it too (default: /metrics is open)")
     s.add_argument("--disable-access-log", action="store_true", help="do not log one line per HTTP request")
+    s.add_argument("--reasoning-parser", default=None, metavar="{deepseek_r1,deepseek_v4,qwen3}",
+                   help="split a reasoning model's output into reasoning_content and content (chat completions)")
     add_engine_args(s)
     s.set_defaults(func=_serve)
 

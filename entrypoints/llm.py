@@ -49,7 +49,17 @@ class LLM:
 
     tensor_parallel_size: model shards, one process each (torch.distributed; gloo on the CPU):
     this process is rank 0 and starts N-1 workers, stopped by shutdown(). Dense Llama-family and
-    Gemma-3 models; the host/storage tiers and HiSparse are refused with N > 1 so far.
+    Gemma-3 models and DeepSeek-V4 (quantized checkpoints included); every KV tier runs on each
+    rank from the driver's plan.
+
+    enable_expert_parallel: with tensor_parallel_size > 1, each rank holds whole routed experts
+    (1/N of them) instead of 1/N of every expert (vLLM's name); mixture-of-experts models only.
+
+    nnodes, node_rank, dist_init_addr: the ranks split evenly over several machines (SGLang's
+    names). This LLM is node 0 (node_rank 0): it hosts the rendezvous at dist_init_addr
+    ("host:port") and waits for the other nodes' ranks, which `hybridkv generate|serve --nnodes N
+    --node-rank k --dist-init-addr host:port` starts there. None: torchrun's WORLD_SIZE, RANK and
+    MASTER_ADDR:MASTER_PORT when tensor_parallel_size > 1, else one node.
 
     block_size: tokens per KV page; None (the default) takes the model's default page size (16
     for dense models, 128 for DeepSeek-V4). An explicit size the model cannot use (not a multiple
@@ -96,6 +106,10 @@ class LLM:
         num_scheduler_steps: int | None = None,
         kv_cache_prefault: bool | None = None,
         tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        nnodes: int | None = None,
+        node_rank: int | None = None,
+        dist_init_addr: str | None = None,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -136,6 +150,10 @@ class LLM:
                 num_scheduler_steps=num_scheduler_steps,
                 kv_cache_prefault=kv_cache_prefault,
                 tensor_parallel_size=tensor_parallel_size,
+                enable_expert_parallel=enable_expert_parallel,
+                nnodes=nnodes,
+                node_rank=node_rank,
+                dist_init_addr=dist_init_addr,
             )
         )
 

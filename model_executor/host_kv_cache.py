@@ -134,6 +134,11 @@ class HostKVCache:
             self.finish_loads()
         return to_host, to_device
 
+    @property
+    def has_pending_loads(self) -> bool:
+        """Load-backs issued that no forward has taken yet."""
+        return self._pending is not None
+
     def take_loads(self) -> PendingKVLoads | None:
         """The load-backs the next forward must wait for, layer by layer (None: none). The
         caller completes them after the forward with loads_done()."""

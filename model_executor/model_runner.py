@@ -105,7 +105,10 @@ def build_model(cls: type[CausalLM], config, max_positions: int, parallel: Tenso
         return cls(config, max_positions=max_positions)
     if not cls.supports_tensor_parallel:
         raise ValueError(f"{cls.__name__} is not supported yet with tensor_parallel_size > 1 (the dense "
-                         "Llama-family and Gemma-3 models are)")
+                         "Llama-family and Gemma-3 models and DeepSeek-V4 are)")
+    if parallel.expert_parallel and not cls.supports_expert_parallel:
+        raise ValueError(f"enable_expert_parallel applies to mixture-of-experts models; {cls.__name__} has no "
+                         "routed experts (leave it off)")
     return cls(config, max_positions=max_positions, parallel=parallel)
 
 

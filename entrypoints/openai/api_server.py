@@ -55,6 +55,7 @@ from hybridkv.entrypoints.openai.json_body import parse_json_body
 from hybridkv.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hybridkv.entrypoints.openai.metrics import ServerMetrics
 from hybridkv.entrypoints.openai.http2_probe import Http1Only
+from hybridkv.entrypoints.openai.reasoning_parser import check_parser_name as check_reasoning_parser
 from hybridkv.entrypoints.openai.serving_base import DEFAULT_MAX_SEQS_PER_REQUEST, ServingContext, longest_token_bytes
 from hybridkv.entrypoints.openai.serving_chat import ChatServing
 from hybridkv.entrypoints.openai.serving_completion import CompletionServing
@@ -75,6 +76,10 @@ WORKER_THREADS = 2
 INLINE_JSON_BYTES = 64 << 10  # smaller bodies parse on the loop: well under a millisecond, no thread hop
 _SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+# A dead engine never recovers: the seconds serve() keeps answering 503 before it exits (enough
+# for in-flight responses to be written and a health check to see the 503), and how often it looks.
+DEAD_ENGINE_EXIT_S = 5.0
+ENGINE_WATCH_S = 0.2
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -92,6 +97,7 @@ class ServerSettings:
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # open connections; more are closed on connect
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST  # prompts x n
     metrics_require_api_key: bool = False  # /metrics is open by default (scrapers rarely send keys)
+    reasoning_parser: str | None = None  # reasoning_parser.PARSERS: chat outputs split into reasoning and content
 
     def validate(self) -> None:
         for name in ("max_request_body_bytes", "max_connections", "max_seqs_per_request"):
@@ -100,6 +106,8 @@ class ServerSettings:
         for name in ("keepalive_timeout", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.reasoning_parser is not None:
+            check_reasoning_parser(self.reasoning_parser)
 
 
 def server_version() -> str:
@@ -277,10 +285,11 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings | None = None) ->
             "max_seqs_per_request": settings.max_seqs_per_request,
             "max_connections": settings.max_connections,
             "max_request_body_bytes": settings.max_request_body_bytes,
-        }, gc_pauses=gc_pauses),
+        }, gc_pauses=gc_pauses, parallel_layout=engine.parallel_layout),
         executor=executor,
         max_token_bytes=longest_token_bytes(tokenizer),
         max_seqs_per_request=settings.max_seqs_per_request,
+        reasoning_parser=settings.reasoning_parser,
     )
     middlewares = [_error_middleware()]
     if settings.api_key:
@@ -405,9 +414,13 @@ async def start_server(
 
 async def serve(
     engine: AsyncLLMEngine, settings: ServerSettings, host: str, port: int, *, access_log: bool = True,
-    on_ready: Callable[[int], None] | None = None,
-) -> None:
-    """Serve until SIGINT/SIGTERM, then shut down gracefully (in-flight requests are aborted)."""
+    on_ready: Callable[[int], None] | None = None, dead_engine_exit_s: float = DEAD_ENGINE_EXIT_S,
+) -> int:
+    """Serve until SIGINT/SIGTERM, then shut down gracefully (in-flight requests are aborted):
+    the exit status is 0. An engine that dies (a lost tensor-parallel rank, a failed step) never
+    recovers: the server answers 503 for dead_engine_exit_s more seconds (the in-flight requests
+    get their errors, health checks see it) and then stops, the exit status 1, so whatever
+    supervises the process can restart it."""
     app = build_app(engine, settings)
     # This process is the server: what it loaded to get here lives as long as it does, so no
     # collection should walk it again (gc_pauses.py: a full collection of it is ~0.3 s). Before
@@ -415,16 +428,33 @@ async def serve(
     logger.info("froze %d startup objects out of garbage collection", freeze_startup_heap())
     runner, bound = await start_server(app, host, port, access_log=access_log)
     stop = asyncio.Event()
+    died: list[BaseException | None] = []
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+    async def stop_when_the_engine_dies() -> None:
+        while not engine.errored:
+            await asyncio.sleep(ENGINE_WATCH_S)
+        logger.error("the engine died: %s; answering 503 for %gs, then exiting", engine.dead_error,
+                     dead_engine_exit_s)
+        await asyncio.sleep(dead_engine_exit_s)
+        died.append(engine.dead_error)
+        stop.set()
+
+    watcher = asyncio.create_task(stop_when_the_engine_dies())
     if on_ready is not None:
         on_ready(bound)
     try:
         await stop.wait()
-        logger.info("shutting down: aborting in-flight requests and stopping the engine")
+        if died:
+            logger.error("exiting because the engine died: %s", died[0])
+        else:
+            logger.info("shutting down: aborting in-flight requests and stopping the engine")
     finally:
+        watcher.cancel()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         await runner.cleanup()
         engine.shutdown()  # no-op when on_shutdown already stopped it
+    return 1 if died else 0

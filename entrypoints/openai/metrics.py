@@ -187,9 +187,12 @@ class _GcCollector(Collector):
 
 class ServerMetrics:
     def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot],
-                 limits: dict[str, int] | None = None, gc_pauses: GcPauses | None = None) -> None:
+                 limits: dict[str, int] | None = None, gc_pauses: GcPauses | None = None,
+                 parallel_layout: dict[str, str] | None = None) -> None:
         """limits: the server's admission limits by name (e.g. max_seqs_per_request), exported
-        as hybridkv:admission_limit{limit=...} so dashboards can read them next to the counters."""
+        as hybridkv:admission_limit{limit=...} so dashboards can read them next to the counters.
+        parallel_layout: how the model is split (LLMEngine.parallel_layout), exported as labels of
+        hybridkv:parallel_layout = 1, so one query tells which deployments run over several nodes."""
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         r, labels = self.registry, ["model_name"]
@@ -217,6 +220,11 @@ class ServerMetrics:
                           registry=r)
             for name, value in limits.items():
                 limit.labels(model_name, name).set(value)
+        if parallel_layout:
+            names = sorted(parallel_layout)
+            layout = Gauge(PREFIX + "parallel_layout", "How the model is split over processes and machines "
+                           "(always 1; the labels say it).", ["model_name", *names], registry=r)
+            layout.labels(model_name, *(parallel_layout[n] for n in names)).set(1)
         self._rejected = Counter(PREFIX + "requests_rejected", "Requests refused at admission, by reason.",
                                  ["model_name", "reason"], registry=r)
 

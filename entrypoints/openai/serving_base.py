@@ -79,6 +79,7 @@ class ServingContext:
     executor: Executor  # the app's worker threads (see the module docstring); the app shuts it down
     max_token_bytes: int  # longest_token_bytes(tokenizer)
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
+    reasoning_parser: str | None = None  # chat outputs split into reasoning_content and content
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -8,6 +8,7 @@ from aiohttp import web
 from hybridkv.engine.outputs import Logprob, PositionLogprobs
 from hybridkv.entrypoints.openai.errors import bad_request
 from hybridkv.entrypoints.openai.protocol import ChatCompletionRequest
+from hybridkv.entrypoints.openai.reasoning_parser import ReasoningStream, prompt_in_reasoning, split_reasoning
 from hybridkv.entrypoints.openai.serving_base import Generation, PromptInput, ServingContext, finite_logprob, send_stream
 from hybridkv.entrypoints.openai.sse import SSEStream
 from hybridkv.model_executor.tokenizer import apply_chat_template
@@ -71,12 +72,26 @@ class ChatServing:
             content.append(item)
         return {"content": content}
 
+    def _in_reasoning(self, gen: Generation) -> bool | None:
+        """None without a reasoning parser; else whether the prompt left the model inside its
+        reasoning (the rendered prompt ends in an open <think>)."""
+        if self.ctx.reasoning_parser is None:
+            return None
+        return prompt_in_reasoning(gen.inputs[0].text or "")
+
+    def _message(self, text: str, in_reasoning: bool | None) -> dict:
+        if in_reasoning is None:
+            return {"role": "assistant", "content": text}
+        reasoning, content = split_reasoning(text, in_reasoning)
+        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+
     def _response(self, req: ChatCompletionRequest, model: str, gen: Generation) -> dict:
         choices = []
+        in_reasoning = self._in_reasoning(gen)
         for c in gen.choices:
             choice = {
                 "index": c.index,
-                "message": {"role": "assistant", "content": "".join(c.text)},
+                "message": self._message("".join(c.text), in_reasoning),
                 "logprobs": self._logprobs(req, c.token_ids, c.logprobs) if req.logprobs else None,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
@@ -94,6 +109,25 @@ class ChatServing:
                       gen: Generation) -> web.StreamResponse:
         sse = SSEStream(request)
         await sse.start()
+        in_reasoning = self._in_reasoning(gen)
+        splits: dict[int, ReasoningStream] = {}  # choice index -> its reasoning split
+
+        def delta(index: int, text: str, finished: bool) -> dict:
+            """The choice's delta: its text, or its reasoning and content apart."""
+            if in_reasoning is None:
+                return {"content": text}
+            split = splits.setdefault(index, ReasoningStream(in_reasoning))
+            part = split.feed(text)
+            if finished:
+                rest = split.finish()
+                part.reasoning += rest.reasoning
+                part.content += rest.content
+            out = {}
+            if part.reasoning:
+                out["reasoning_content"] = part.reasoning
+            if part.content or not part.reasoning:
+                out["content"] = part.content
+            return out
 
         async def choices():
             # OpenAI's first chunk per choice carries the role and no text yet.
@@ -111,7 +145,8 @@ class ChatServing:
                         req.return_token_ids and o.token_ids
                     ):
                         continue  # nothing a client can see (e.g. half of a multi-byte character)
-                    choice = {"index": c.index, "delta": {"content": o.text}, "logprobs": logprobs,
+                    choice = {"index": c.index, "delta": delta(c.index, o.text, o.finish_reason is not None),
+                              "logprobs": logprobs,
                               "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
                     if req.return_token_ids:
                         choice["token_ids"] = list(o.token_ids)

@@ -36,6 +36,11 @@ class CausalLM(nn.Module):
     default_block_size: int | None = None
     # Whether the constructor takes `parallel` (a TensorParallel) and builds one rank's shard.
     supports_tensor_parallel: bool = False
+    # Whether that shard can hold whole routed experts, a different set per rank (expert
+    # parallelism, TensorParallel.expert_parallel): only mixture-of-experts models.
+    supports_expert_parallel: bool = False
+    # Whether that shard's layout slices block-quantized (FP8 / MXFP4) weights with their scales.
+    supports_quantized_shards: bool = False
 
     @classmethod
     def cpu_kernel_loaders(cls, dtype: torch.dtype) -> list[Callable[[], object]]:

@@ -69,13 +69,15 @@ def split_evenly(total: int, rank: int, size: int, what: str) -> tuple[int, int]
 class Slice:
     """A rank's part of one checkpoint tensor: rows/columns [start, stop) along `dim`, padded with
     zeros to `length` along it (None: no padding); `zeros`: the rank holds zeros of the whole
-    tensor's shape (a row-parallel bias, added by rank 0 only)."""
+    tensor's shape (a row-parallel bias, added by rank 0 only); `skip`: the rank holds none of
+    it and never reads it (another rank's routed expert under expert parallelism)."""
 
     dim: int = 0
     start: int = 0
     stop: int = 0
     length: int | None = None
     zeros: bool = False
+    skip: bool = False
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from hybridkv.model_executor.parallel.layout import Slice
 
 def iter_weight_shards(model_dir: str, slice_of: Callable[[str], Slice | None]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, this rank's part) for every tensor of the checkpoint; `slice_of(name)` says
-    which part (None: the whole tensor). Only safetensors files can be read in slices."""
+    which part (None: the whole tensor; a `skip` slice: not read, not yielded). Only safetensors
+    files can be read in slices."""
     from safetensors import safe_open
 
     files = weight_files(model_dir)
@@ -23,7 +24,9 @@ def iter_weight_shards(model_dir: str, slice_of: Callable[[str], Slice | None]) 
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as handle:
             for name in handle.keys():
-                yield name, read_slice(handle.get_slice(name), slice_of(name))
+                part = slice_of(name)
+                if part is None or not part.skip:
+                    yield name, read_slice(handle.get_slice(name), part)
 
 
 def read_slice(tensor_slice, part: Slice | None) -> torch.Tensor:

@@ -25,10 +25,14 @@ class CommTime:
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """rank in [0, size). Rank 0 is the driver: it samples, and only it receives the logits."""
+    """rank in [0, size). Rank 0 is the driver: it samples, and only it receives the logits.
+    expert_parallel: a mixture-of-experts model holds whole routed experts, a different set on
+    each rank (vLLM's enable_expert_parallel), instead of every expert's slice; dense models
+    refuse it (model_runner.build_model)."""
 
     rank: int
     size: int
+    expert_parallel: bool = False
     comm: CommTime = field(default_factory=CommTime, compare=False)
 
     def __post_init__(self) -> None:

@@ -1,6 +1,7 @@
 """tensor_parallel_size=2 on the CPU (gloo): the same greedy tokens and prompt logprobs as one
 process across prefix hits, chunked prefill and preemption; fewer KV heads than ranks; a worker
-that dies fails generate naming its rank; tensor_parallel_size=1 starts nothing."""
+that dies fails generate naming its rank, an idle engine fails nothing; tensor_parallel_size=1
+starts nothing."""
 from __future__ import annotations
 
 import multiprocessing
@@ -9,71 +10,12 @@ import signal
 import time
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from hybridkv.entrypoints import LLM, SamplingParams
-from hybridkv.model_executor.model_runner import model_skeleton
-from hybridkv.model_executor.parallel.state import TensorParallel
-
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-PROMPT_LOGPROBS = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
-
-
-def _prompts(vocab: int, n: int, shared: int = 40, seed: int = 0) -> list[dict]:
-    """n prompts sharing a `shared`-token prefix (so prefix caching has something to hit)."""
-    g = torch.Generator().manual_seed(seed)
-    prefix = torch.randint(3, vocab, (shared,), generator=g).tolist()
-    return [{"prompt_token_ids": prefix + torch.randint(3, vocab, (1 + (i * 7) % 23,), generator=g).tolist()}
-            for i in range(n)]
-
-
-def _kv_bytes(path: str, tp: int, pages: int) -> int:
-    """The KV budget of `pages` 16-token pages of every space for one rank of a tp-way model: both
-    engines then get the same pages, so they schedule (chunk, hit, preempt) the same way."""
-    parallel = TensorParallel(0, tp) if tp > 1 else None
-    specs = model_skeleton(path, "float32", 128, "cpu", parallel=parallel).specs
-    return pages * 16 * sum(s.bytes_per_slot for s in specs)
-
-
-def _no_workers_left() -> bool:
-    return not multiprocessing.active_children() and not dist.is_initialized()
-
-
-@pytest.fixture
-def shut_down():
-    """LLMs registered here are shut down when the test ends, passed or failed."""
-    llms: list[LLM] = []
-    yield llms.append
-    for llm in llms:
-        llm.shutdown()
-    assert _no_workers_left(), f"worker processes left behind: {multiprocessing.active_children()}"
-
-
-def _run(llm: LLM, prompts: list[dict]) -> dict:
-    """Greedy tokens of two passes (the second one hits the first one's prefix pages), and the
-    prompt logprobs of a third."""
-    passes = [llm.generate(prompts, GREEDY, use_tqdm=False) for _ in range(2)]
-    logprobs = llm.generate(prompts[:3], PROMPT_LOGPROBS, use_tqdm=False)
-    return {
-        "tokens": [[o.outputs[0].token_ids for o in outs] for outs in passes],
-        "cached": sum(o.num_cached_tokens for o in passes[1]),
-        "preemptions": llm.engine.scheduler.num_preemptions,
-        "prompt_logprobs": [o.prompt_logprobs for o in logprobs],
-        "pages": {n: s.num_pages for n, s in llm.engine.kv.spaces.items()},
-    }
-
-
-def _assert_logprobs_close(a: list, b: list, tol: float = 1e-3) -> None:
-    for pa, pb in zip(a, b):
-        assert len(pa) == len(pb)
-        for ea, eb in zip(pa, pb):
-            if ea is None:
-                assert eb is None
-                continue
-            assert set(ea) == set(eb)
-            for tid in ea:
-                assert abs(ea[tid].logprob - eb[tid].logprob) < tol, (tid, ea[tid].logprob, eb[tid].logprob)
+from tp_helpers import (  # noqa: F401 - shut_down: a fixture
+    GREEDY, assert_logprobs_close, kv_bytes, no_workers_left, prompts_with_prefix, run_passes, shut_down,
+)
 
 
 @pytest.mark.slow
@@ -89,19 +31,19 @@ def _assert_logprobs_close(a: list, b: list, tol: float = 1e-3) -> None:
 def test_two_ranks_match_one_process(tiny_ckpt, shut_down, arch, overrides, pages):
     path = tiny_ckpt(arch, **overrides)
     common = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=8)
-    one = LLM(path, kv_cache_memory_bytes=_kv_bytes(path, 1, pages), **common)
-    prompts = _prompts(one.engine.runner.config.vocab_size, 8)
-    want = _run(one, prompts)
-    two = LLM(path, kv_cache_memory_bytes=_kv_bytes(path, 2, pages), tensor_parallel_size=2, **common)
+    one = LLM(path, kv_cache_memory_bytes=kv_bytes(path, 1, pages), **common)
+    prompts = prompts_with_prefix(one.engine.runner.config.vocab_size, 8)
+    want = run_passes(one, prompts)
+    two = LLM(path, kv_cache_memory_bytes=kv_bytes(path, 2, pages), tensor_parallel_size=2, **common)
     shut_down(two)
-    got = _run(two, prompts)
+    got = run_passes(two, prompts)
     two.shutdown()
     assert [p.exitcode for p in two.engine.runner.workers.processes] == [0], "a worker did not stop cleanly"
     assert got["pages"] == want["pages"]
     assert want["preemptions"] > 0 and want["cached"] > 0, "the setting should preempt and hit the prefix cache"
     assert got["tokens"] == want["tokens"]
     assert (got["preemptions"], got["cached"]) == (want["preemptions"], want["cached"])
-    _assert_logprobs_close(got["prompt_logprobs"], want["prompt_logprobs"])
+    assert_logprobs_close(got["prompt_logprobs"], want["prompt_logprobs"])
 
 
 @pytest.mark.slow
@@ -121,16 +63,52 @@ def test_a_killed_worker_fails_generate_naming_its_rank(tiny_ckpt, shut_down):
     runner.execute = execute_then_kill
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="worker rank 1 exited with code -9"):
-        llm.generate(_prompts(320, 4), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)
+        llm.generate(prompts_with_prefix(320, 4), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)
     assert time.monotonic() - t0 < 30
-    assert _no_workers_left()
+    assert no_workers_left()
     with pytest.raises(RuntimeError, match="rank 1"):  # the engine stays failed, and says why
-        llm.generate(_prompts(320, 1), GREEDY, use_tqdm=False)
+        llm.generate(prompts_with_prefix(320, 1), GREEDY, use_tqdm=False)
+
+
+@pytest.mark.slow
+def test_an_idle_gap_longer_than_the_step_timeout_does_not_fail_the_workers(tiny_ckpt, shut_down, monkeypatch):
+    """The workers wait for the driver's next step as long as the engine is idle (a server with
+    no traffic); only the model's collectives are held to HYBRIDKV_TP_TIMEOUT_S."""
+    monkeypatch.setenv("HYBRIDKV_TP_TIMEOUT_S", "2")
+    llm = LLM(tiny_ckpt("llama", num_key_value_heads=4), dtype="float32", tensor_parallel_size=2)
+    shut_down(llm)
+    first = llm.generate(prompts_with_prefix(320, 2), GREEDY, use_tqdm=False)
+    time.sleep(5)
+    assert [p.exitcode for p in llm.engine.runner.workers.processes] == [None]
+    again = llm.generate(prompts_with_prefix(320, 2), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+
+
+@pytest.mark.slow
+def test_an_idle_async_engine_dies_naming_a_killed_worker(tiny_ckpt):
+    """No request needs to fail first: the engine thread looks at its workers while idle, so a
+    server's /health turns 503 (and `hybridkv serve` exits) within a few seconds."""
+    from hybridkv.engine.async_llm_engine import AsyncLLMEngine
+    from hybridkv.engine.config import EngineConfig
+
+    engine = AsyncLLMEngine.from_config(EngineConfig(model=tiny_ckpt("llama", num_key_value_heads=4),
+                                                     dtype="float32", tensor_parallel_size=2))
+    try:
+        assert engine.is_healthy
+        os.kill(engine.engine.runner.workers.processes[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while engine.is_healthy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.is_healthy
+        assert "worker rank 1 exited with code -9" in str(engine.dead_error)
+    finally:
+        engine.shutdown()
+    assert no_workers_left()
 
 
 def test_one_rank_starts_no_process_and_no_process_group(tiny_ckpt):
     llm = LLM(tiny_ckpt("llama"), dtype="float32", tensor_parallel_size=1)
-    assert llm.generate(_prompts(320, 1), GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate(prompts_with_prefix(320, 1), GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert not multiprocessing.active_children()
     assert not dist.is_initialized()
     assert llm.engine.runner.parallel is None
@@ -143,14 +121,14 @@ def test_unsupported_settings_are_refused_before_any_process_starts(tiny_ckpt, k
     kwargs = {"tensor_parallel_size": 2, **kwargs}
     with pytest.raises(ValueError, match=match):
         LLM(tiny_ckpt("llama"), dtype="float32", **kwargs)
-    assert _no_workers_left()
+    assert no_workers_left()
 
 
 def test_heads_that_do_not_split_are_refused_naming_the_count(tiny_ckpt):
     with pytest.raises(ValueError, match="3 attention heads"):
         LLM(tiny_ckpt("llama", num_attention_heads=3, num_key_value_heads=3, hidden_size=48), dtype="float32",
             tensor_parallel_size=2)
-    assert _no_workers_left()
+    assert no_workers_left()
 
 
 EXIT_WITHOUT_SHUTDOWN = """
@@ -194,6 +172,15 @@ def test_a_shut_down_engine_says_so(tiny_ckpt, shut_down):
     llm = LLM(tiny_ckpt("llama", num_key_value_heads=4), dtype="float32", tensor_parallel_size=2)
     shut_down(llm)
     llm.shutdown()
-    assert _no_workers_left()
+    assert no_workers_left()
     with pytest.raises(RuntimeError, match="shut down"):
-        llm.generate(_prompts(320, 1), GREEDY, use_tqdm=False)
+        llm.generate(prompts_with_prefix(320, 1), GREEDY, use_tqdm=False)
+
+
+def test_quantized_dense_checkpoints_are_refused_before_any_process_starts(tmp_path):
+    from tiny_quantized import build_hf_fp8_checkpoint
+
+    path = build_hf_fp8_checkpoint(str(tmp_path / "fp8"), "llama", num_key_value_heads=4)
+    with pytest.raises(ValueError, match=r"quantized \(FP8/FP4\) LlamaForCausalLM checkpoints are not supported yet"):
+        LLM(path, dtype="float32", tensor_parallel_size=2)
+    assert no_workers_left()

@@ -73,6 +73,7 @@ def test_swap_preemption_with_two_ranks_equals_unconstrained(tiny_ckpt, engines)
     assert got == want, "swap preemption under tensor parallelism changed the outputs"
     assert sched.num_swap_ins > 0 and sched.num_resumed_host_tokens > 0
     assert sched.num_recomputed_after_preemption == 0
+    assert all(s["pending_load_backs"] == 0 for s in llm.engine.runner.rank_states()), "a rank kept load-backs"
 
 
 def _file_llm(path: str, store: str, tp: int) -> LLM:

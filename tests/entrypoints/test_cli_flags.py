@@ -195,3 +195,14 @@ def test_fleet_passes_what_follows_the_double_dash_to_every_replica(monkeypatch)
     assert cli.main(["fleet", "--replicas", "2", "--", "--dtype", "float32"]) == 0
     assert cli.main(["fleet", "m"]) == 0
     assert seen == [("m", 3, ["--max-model-len", "8"]), (None, 2, ["--dtype", "float32"]), ("m", 2, [])]
+
+
+@pytest.mark.parametrize("subcommand", ["generate", "serve"])
+def test_expert_parallelism_flag_reaches_the_engine_config(subcommand):
+    argv = [subcommand, "some/model", "--tensor-parallel-size", "2", "--enable-expert-parallel"]
+    if subcommand == "generate":
+        argv = ["generate", "a prompt", "--model", "some/model", *argv[2:]]
+    args = build_parser().parse_args(argv)
+    kwargs = engine_kwargs(args) if subcommand == "generate" else serve_engine_kwargs(args)
+    config = EngineConfig(model="some/model", **kwargs)
+    assert (config.tensor_parallel_size, config.enable_expert_parallel) == (2, True)

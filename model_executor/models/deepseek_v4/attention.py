@@ -23,6 +23,8 @@ from hybridkv.model_executor.models.deepseek_v4.config import CSA, HCA, SLIDING,
 from hybridkv.model_executor.models.deepseek_v4.indexer import Indexer
 from hybridkv.model_executor.models.deepseek_v4.norms import V4RMSNorm, rms_normalize
 from hybridkv.model_executor.models.deepseek_v4.rope import InterleavedRope
+from hybridkv.model_executor.models.deepseek_v4.sharding import V4Shard
+from hybridkv.model_executor.parallel.state import TensorParallel
 from hybridkv.model_executor.quantization import QuantizedLinear
 
 
@@ -66,21 +68,26 @@ def hybrid_backend(attention_backend: str | None) -> HybridV4Attention:
 
 
 class V4Attention(nn.Module):
-    def __init__(self, cfg: V4Config, layer_idx: int, main_rope: InterleavedRope, compress_rope: InterleavedRope) -> None:
+    def __init__(self, cfg: V4Config, layer_idx: int, main_rope: InterleavedRope, compress_rope: InterleavedRope,
+                 shard: V4Shard | None = None, parallel: TensorParallel | None = None) -> None:
+        """shard / parallel: this tensor-parallel rank's query heads and output groups (sharding.py);
+        the KV head, compressors and indexer stay whole. None: the whole layer."""
         super().__init__()
+        shard = shard if shard is not None else V4Shard.of(cfg, None)
+        self.parallel = parallel
         self.layer_type = cfg.layer_types[layer_idx]
-        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
-        self.o_groups, self.eps = cfg.o_groups, cfg.rms_norm_eps
+        self.num_heads, self.head_dim = shard.num_heads, cfg.head_dim
+        self.o_groups, self.eps = shard.num_groups, cfg.rms_norm_eps
         self.scale = self.head_dim**-0.5
-        d, D, H = cfg.hidden_size, cfg.head_dim, cfg.num_heads
+        d, D, H = cfg.hidden_size, cfg.head_dim, shard.num_heads
         self.wq_a = nn.Linear(d, cfg.q_lora_rank, bias=False)
         self.q_norm = V4RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = nn.Linear(cfg.q_lora_rank, H * D, bias=False)
         self.wkv = nn.Linear(d, D, bias=False)
         self.norm = V4RMSNorm(D, cfg.rms_norm_eps)
         # Grouped output projection: rows [g*d_g, (g+1)*d_g) of wo_a act on head group g.
-        self.wo_a = nn.Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
+        self.wo_a = nn.Linear(H * D // self.o_groups, self.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(self.o_groups * cfg.o_lora_rank, d, bias=False)
         self.attn_sink = nn.Parameter(torch.empty(H))  # float32 in every dtype
         self.rope = main_rope if self.layer_type == SLIDING else compress_rope
         self.compressor: Compressor | None = None
@@ -157,4 +164,5 @@ class V4Attention(nn.Module):
         else:
             w = self.wo_a.weight.view(G, -1, grouped.shape[-1])  # [G, d_g, H*D/G]
             u = torch.einsum("tgi,gri->tgr", grouped, w).reshape(T, -1)
-        return self.wo_b(u)
+        out = self.wo_b(u)
+        return out if self.parallel is None else self.parallel.all_reduce(out)  # row-parallel wo_b

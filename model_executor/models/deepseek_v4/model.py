@@ -31,8 +31,11 @@ from hybridkv.model_executor.models.deepseek_v4.mhc import HyperConnection, Hype
 from hybridkv.model_executor.models.deepseek_v4.moe import V4MoE
 from hybridkv.model_executor.models.deepseek_v4.norms import V4RMSNorm
 from hybridkv.model_executor.models.deepseek_v4.rope import InterleavedRope, inv_freq_from_params
+from hybridkv.model_executor.models.deepseek_v4.sharding import V4Shard
 from hybridkv.model_executor.models.deepseek_v4.weights import load_v4_weights
-from hybridkv.model_executor.quantization import quantized_weight_numel
+from hybridkv.model_executor.parallel.layers import VocabParallelEmbedding
+from hybridkv.model_executor.parallel.state import TensorParallel
+from hybridkv.model_executor.quantization import quantization_config_of, quantized_weight_numel
 from hybridkv.model_executor.step_cost import AttentionCost, StepCost
 
 STATE_DTYPE = torch.float32  # compressor raw rows: kept in float32 whatever the model dtype
@@ -42,13 +45,14 @@ _FP32_SUFFIXES = ("attn_sink", ".ape", "norm.weight", "hc_attn.fn", "hc_attn.bas
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, cfg: V4Config, i: int, main_rope: InterleavedRope, compress_rope: InterleavedRope) -> None:
+    def __init__(self, cfg: V4Config, i: int, main_rope: InterleavedRope, compress_rope: InterleavedRope,
+                 shard: V4Shard, parallel: TensorParallel | None) -> None:
         super().__init__()
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.attn_norm = V4RMSNorm(d, eps)
-        self.attn = V4Attention(cfg, i, main_rope, compress_rope)
+        self.attn = V4Attention(cfg, i, main_rope, compress_rope, shard, parallel)
         self.ffn_norm = V4RMSNorm(d, eps)
-        self.ffn = V4MoE(cfg, i)
+        self.ffn = V4MoE(cfg, i, shard, parallel)
         self.hc_attn = HyperConnection(cfg.hc_mult, d, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
         self.hc_ffn = HyperConnection(cfg.hc_mult, d, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
 
@@ -63,6 +67,10 @@ class V4DecoderLayer(nn.Module):
 class DeepseekV4ForCausalLM(CausalLM):
     # Page boundaries must be compression boundaries: 128 is a multiple of every V4 ratio.
     default_block_size = 128
+    # Tensor parallelism (sharding.py), with or without expert parallelism for the routed experts.
+    supports_tensor_parallel = True
+    supports_expert_parallel = True
+    supports_quantized_shards = True
 
     @classmethod
     def cpu_kernel_loaders(cls, dtype: torch.dtype) -> list:
@@ -73,18 +81,29 @@ class DeepseekV4ForCausalLM(CausalLM):
 
         return [load_joint_attention, load_indexer_topk, blocked_linear_ops, fused_ops]
 
-    def __init__(self, config, max_positions: int) -> None:
+    def __init__(self, config, max_positions: int, parallel: TensorParallel | None = None) -> None:
+        """parallel: build this rank's shard (sharding.py); None: the whole model."""
         super().__init__()
         cfg = V4Config.from_hf(config)
-        self.config, self.cfg = config, cfg
+        self.config, self.cfg, self.parallel = config, cfg, parallel
+        # The quantization config only matters to which slices a rank reads (block-aligned ones).
+        quantization = quantization_config_of(config) if parallel is not None else None
+        self.sharding = V4Shard.of(cfg, parallel, quantization)
+        if parallel is not None and parallel.is_driver:
+            V4Shard.check_every_rank(cfg, parallel, quantization)
         main_rope = InterleavedRope(inv_freq_from_params(cfg.main_rope, cfg.rope_dim, max_positions))
         compress_rope = InterleavedRope(inv_freq_from_params(cfg.compress_rope, cfg.rope_dim, max_positions))
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(V4DecoderLayer(cfg, i, main_rope, compress_rope) for i in range(cfg.num_layers))
+        if parallel is None:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(self.sharding.vocab, cfg.hidden_size, parallel)
+        self.layers = nn.ModuleList(V4DecoderLayer(cfg, i, main_rope, compress_rope, self.sharding, parallel)
+                                    for i in range(cfg.num_layers))
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
         self.hot_buffers: HotBuffers | None = None  # HiSparse, allocated by allocate_kv_cache when enabled
         self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size if parallel is None else self.sharding.vocab.padded,
+                              bias=False)
 
     # -- block spaces ------------------------------------------------------------------------
     def space_specs(self, dtype: torch.dtype) -> list[SpaceSpec]:
@@ -246,8 +265,17 @@ class DeepseekV4ForCausalLM(CausalLM):
             streams = streams[output_rows]
         return self.norm(self.hc_head(streams))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits of `hidden`'s rows; under tensor parallelism every rank computes its
+        vocabulary columns and rank 0 gets them all (the other ranks get None)."""
+        logits = self.head(hidden)
+        if self.parallel is not None:
+            return self.parallel.gather_vocab(logits, self.cfg.vocab_size)
+        return logits
+
+    def shard(self) -> V4Shard:
+        """This rank's slices of the checkpoint (the shard loader reads only those)."""
+        return self.sharding
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_v4_weights(self, weights)
+        load_v4_weights(self, weights, self.sharding.local_name if self.parallel is not None else None)

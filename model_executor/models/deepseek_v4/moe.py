@@ -12,6 +12,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from hybridkv.model_executor.models.deepseek_v4.config import V4Config
+from hybridkv.model_executor.models.deepseek_v4.sharding import V4Shard
+from hybridkv.model_executor.parallel.state import TensorParallel
 
 
 class ClampedSwiGLU(nn.Module):
@@ -63,28 +65,41 @@ class Router(nn.Module):
 
 
 class V4MoE(nn.Module):
-    def __init__(self, cfg: V4Config, layer_idx: int) -> None:
+    def __init__(self, cfg: V4Config, layer_idx: int, shard: V4Shard | None = None,
+                 parallel: TensorParallel | None = None) -> None:
+        """shard / parallel: this tensor-parallel rank's experts and intermediate columns
+        (sharding.py); the router stays whole, so every rank routes every token the same way.
+        None: the whole layer."""
         super().__init__()
+        shard = shard if shard is not None else V4Shard.of(cfg, None)
+        self.parallel = parallel
+        self.num_routed = cfg.n_routed_experts
+        self.first_expert = shard.experts[0]  # experts[i] is routed expert first_expert + i
         self.gate = Router(cfg, hashed=cfg.mlp_layer_types[layer_idx] == "hash_moe")
-        d, f, lim = cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit
-        self.experts = nn.ModuleList(ClampedSwiGLU(d, f, lim) for _ in range(cfg.n_routed_experts))
-        self.shared_experts = ClampedSwiGLU(d, f, lim)
+        d, lim = cfg.hidden_size, cfg.swiglu_limit
+        f_routed = shard.expert_mlp[1] - shard.expert_mlp[0]
+        f_shared = shard.shared_mlp[1] - shard.shared_mlp[0]
+        self.experts = nn.ModuleList(ClampedSwiGLU(d, f_routed, lim) for _ in range(shard.num_experts))
+        self.shared_experts = ClampedSwiGLU(d, f_shared, lim)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         idx, weights = self.gate(x, input_ids)
         out = torch.zeros_like(x)
-        # Group tokens by expert: one matmul per expert that has any token this step.
+        # Group tokens by expert: one matmul per expert of this rank that has any token this step.
         flat_idx = idx.reshape(-1)
         order = torch.argsort(flat_idx, stable=True)
-        counts = torch.bincount(flat_idx, minlength=len(self.experts)).tolist()
+        counts = torch.bincount(flat_idx, minlength=self.num_routed).tolist()
         token_of = order // idx.shape[1]
         w_sorted = weights.reshape(-1)[order]
         start = 0
         for e, cnt in enumerate(counts):
-            if cnt == 0:
-                continue
-            tok = token_of[start : start + cnt]
-            y = self.experts[e](x[tok]) * w_sorted[start : start + cnt, None].to(x.dtype)
-            out.index_add_(0, tok, y)
+            local = e - self.first_expert
+            if cnt and 0 <= local < len(self.experts):
+                tok = token_of[start : start + cnt]
+                y = self.experts[local](x[tok]) * w_sorted[start : start + cnt, None].to(x.dtype)
+                out.index_add_(0, tok, y)
             start += cnt
-        return out + self.shared_experts(x)
+        out = out + self.shared_experts(x)
+        # Each rank's part: its experts' (or every expert's columns') share plus the shared
+        # expert's columns; one all-reduce sums them.
+        return out if self.parallel is None else self.parallel.all_reduce(out)

@@ -17,7 +17,7 @@ quantization, and is refused.
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -51,8 +51,11 @@ def canonical_name(name: str) -> str | None:
 
 
 def load_v4_weights(
-    model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor | BlockQuantizedTensor]]
+    model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor | BlockQuantizedTensor]],
+    local_name: Callable[[str], str] | None = None,
 ) -> None:
+    """Copy the checkpoint's tensors into `model`. local_name: a tensor-parallel rank's renaming of
+    our names to its modules (its routed experts are numbered from 0; sharding.V4Shard)."""
     targets = model.state_dict(keep_vars=True)  # parameters + persistent buffers (tid2eid, router bias)
     loaded: set[str] = set()
     installer = QuantizedWeightInstaller(model)
@@ -60,6 +63,8 @@ def load_v4_weights(
         name = canonical_name(ckpt_name)
         if name is None:
             continue
+        if local_name is not None:
+            name = local_name(name)
         target = targets.get(name)
         if target is None:
             raise ValueError(f"checkpoint tensor {ckpt_name!r} does not belong to this DeepSeek-V4 model (no {name!r})")

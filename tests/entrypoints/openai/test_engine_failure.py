@@ -87,3 +87,49 @@ def test_server_shutdown_ends_in_flight_streams_cleanly(fragile):
     assert status == 200 and events[-1] == "[DONE]"
     assert "shut down" in json.loads(events[-2])["error"]["message"]
     handle.engine.engine.kv.assert_idle()
+
+
+def test_serve_exits_1_a_while_after_the_engine_dies(tiny_ckpt, caplog):
+    """`hybridkv serve`'s loop: a dead engine never recovers, so after answering 503 for
+    dead_engine_exit_s the server stops on its own with status 1 (a supervisor restarts it)."""
+    import asyncio
+    import http.client
+
+    from hybridkv.engine.async_llm_engine import AsyncLLMEngine
+    from hybridkv.engine.config import EngineConfig
+    from hybridkv.entrypoints.openai.api_server import ServerSettings, serve
+
+    engine = AsyncLLMEngine.from_config(EngineConfig(model=tiny_ckpt("llama"), max_model_len=256))
+
+    def fail(e):
+        def step():
+            raise RuntimeError("injected device failure")
+        e.step = step
+
+    engine.call_threadsafe(fail).result(10)
+    seen: dict = {}
+
+    def client(port: int) -> None:
+        def get(method: str, path: str, body: str | None = None) -> tuple[int, bytes]:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+
+        seen["request"] = get("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 4}))
+        seen["health"] = get("GET", "/health")
+
+    def ready(port: int) -> None:
+        threading.Thread(target=client, args=(port,), daemon=True).start()
+
+    t0 = time.monotonic()
+    try:
+        status = asyncio.run(serve(engine, ServerSettings(served_model_names=["tiny"]), "127.0.0.1", 0,
+                                   access_log=False, on_ready=ready, dead_engine_exit_s=1.0))
+    finally:
+        engine.shutdown()
+    assert status == 1 and time.monotonic() - t0 < 20
+    assert seen["request"][0] == 503 and b"injected device failure" in seen["request"][1]
+    assert seen["health"][0] == 503
+    assert "exiting because the engine died" in caplog.text
+    engine.engine.kv.assert_idle()

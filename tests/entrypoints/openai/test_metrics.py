@@ -84,6 +84,14 @@ def test_admission_limits_and_rejections_are_exported(srv):
         before, "hybridkv:requests_rejected_total", reason="too_many_sequences") == 1
 
 
+def test_the_parallel_layout_is_exported(srv):
+    """One engine process, no collectives: hybridkv:parallel_layout says so in its labels (the
+    tensor-parallel server's is checked in tests/entrypoints/test_serve_tensor_parallel.py)."""
+    layout = {"tensor_parallel_size": "1", "nnodes": "1", "backend": "none", "expert_parallel": "false"}
+    assert value(scrape(srv), "hybridkv:parallel_layout", **layout) == 1
+    assert srv.engine.parallel_layout == layout
+
+
 def test_host_tier_metrics_move_with_a_load_back(tiny_ckpt):
     """With --enable-hierarchical-cache: host pool usage per space, host hit tokens, load-back and
     write-back bytes and copy seconds are exported, and move when a prefix comes back from the host."""
