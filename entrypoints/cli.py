@@ -263,6 +263,8 @@ def server_settings(args: argparse.Namespace, chat_template: str | None):
         max_seqs_per_request=args.max_seqs_per_request,
         metrics_require_api_key=args.metrics_require_api_key,
         reasoning_parser=args.reasoning_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     settings.validate()
     return settings
@@ -379,6 +381,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--disable-access-log", action="store_true", help="do not log one line per HTTP request")
     s.add_argument("--reasoning-parser", default=None, metavar="{deepseek_r1,deepseek_v4,qwen3}",
                    help="split a reasoning model's output into reasoning_content and content (chat completions)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto" (the default with tools): the model decides, and its calls are parsed '
+                        "with --tool-call-parser")
+    s.add_argument("--tool-call-parser", default=None, metavar="{hermes,llama3_json,mistral,deepseek_v4}",
+                   help="the model's tool-call format, for --enable-auto-tool-choice")
     add_engine_args(s)
     s.set_defaults(func=_serve)
 

@@ -310,8 +310,10 @@ def apply_chat_template(
     messages: list[dict],
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
 ) -> str:
-    """Render ``messages`` into a prompt string.
+    """Render ``messages`` into a prompt string; ``tools`` (OpenAI's function tools) go to the
+    template as transformers' ``tools=`` argument (templates that know no tools ignore them).
 
     Template precedence: ``chat_template`` argument, then the tokenizer's own,
     then ``CHATML_FALLBACK_TEMPLATE`` (when the checkpoint ships none). The
@@ -322,7 +324,8 @@ def apply_chat_template(
     template = chat_template or getattr(tokenizer, "chat_template", None) or CHATML_FALLBACK_TEMPLATE
     try:
         rendered = tokenizer.apply_chat_template(
-            messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False,
+            tools=tools,
         )
     except Exception as e:  # jinja2 TemplateError / TemplateSyntaxError, or the template's raise_exception
         raise ValueError(f"the chat template could not render these messages: {e}") from e

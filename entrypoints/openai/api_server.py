@@ -56,6 +56,7 @@ from hybridkv.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_
 from hybridkv.entrypoints.openai.metrics import ServerMetrics
 from hybridkv.entrypoints.openai.http2_probe import Http1Only
 from hybridkv.entrypoints.openai.reasoning_parser import check_parser_name as check_reasoning_parser
+from hybridkv.entrypoints.openai.tool_parsers import check_parser_name as check_tool_parser
 from hybridkv.entrypoints.openai.serving_base import DEFAULT_MAX_SEQS_PER_REQUEST, ServingContext, longest_token_bytes
 from hybridkv.entrypoints.openai.serving_chat import ChatServing
 from hybridkv.entrypoints.openai.serving_completion import CompletionServing
@@ -98,6 +99,8 @@ class ServerSettings:
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST  # prompts x n
     metrics_require_api_key: bool = False  # /metrics is open by default (scrapers rarely send keys)
     reasoning_parser: str | None = None  # reasoning_parser.PARSERS: chat outputs split into reasoning and content
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" allowed, its calls parsed with tool_call_parser
+    tool_call_parser: str | None = None  # tool_parsers.PARSERS
 
     def validate(self) -> None:
         for name in ("max_request_body_bytes", "max_connections", "max_seqs_per_request"):
@@ -108,6 +111,10 @@ class ServerSettings:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.reasoning_parser is not None:
             check_reasoning_parser(self.reasoning_parser)
+        if self.tool_call_parser is not None:
+            check_tool_parser(self.tool_call_parser)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)")
 
 
 def server_version() -> str:
@@ -290,6 +297,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings | None = None) ->
         max_token_bytes=longest_token_bytes(tokenizer),
         max_seqs_per_request=settings.max_seqs_per_request,
         reasoning_parser=settings.reasoning_parser,
+        tool_call_parser=settings.tool_call_parser if settings.enable_auto_tool_choice else None,
     )
     middlewares = [_error_middleware()]
     if settings.api_key:

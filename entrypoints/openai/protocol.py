@@ -9,7 +9,7 @@ OpenAI's wording ("Invalid type for 'n': expected an integer, but got a string i
 
 Unknown top-level fields are rejected (400, "Unrecognized request argument supplied: x"), as
 OpenAI does: a typo such as `max_token` would otherwise be silently ignored. OpenAI fields this
-server does not implement (tools, logit_bias, ...) are accepted only with their
+server does not implement (logit_bias, functions, ...) are accepted only with their
 "off" value, so a client that sends them at their defaults keeps working and one that relies on
 them gets a clear 400 instead of a silently different answer. A per-request `chat_template` is
 refused: the server does not render user-supplied templates.
@@ -24,6 +24,7 @@ from typing import Any, Callable
 from hybridkv.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from hybridkv.entrypoints.openai.errors import OpenAIError, bad_request
 from hybridkv.entrypoints.openai.structured_outputs_fields import read_structured_outputs
+from hybridkv.entrypoints.openai.tool_calling import ToolRequest, read_assistant_tool_calls, read_tools
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_N = 128  # bounds the sequences one request can add (memory/DoS guard)
@@ -371,7 +372,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 @dataclass
 class ChatCompletionRequest:
-    messages: list[dict[str, str]]  # normalised: role + string content (+ name)
+    messages: list[dict[str, Any]]  # normalised: role + string content (+ name, tool_calls, tool_call_id)
     model: str | None = None
     max_tokens: int | None = None  # None = whatever room the context leaves
     logprobs: bool = False
@@ -382,6 +383,7 @@ class ChatCompletionRequest:
     cache_salt: str | None = None
     return_token_ids: bool = False
     sampling: SamplingFields = field(default_factory=SamplingFields)
+    tools: ToolRequest = field(default_factory=lambda: ToolRequest([], "none"))
 
     @classmethod
     def parse(cls, body: Any) -> "ChatCompletionRequest":
@@ -405,10 +407,12 @@ class ChatCompletionRequest:
             sampling=SamplingFields.read(b),
             **common,
         )
+        req.tools = read_tools(b.raw("tools"), b.raw("tool_choice"), b.raw("parallel_tool_calls"))
+        if req.tools.constrained and req.sampling.structured_outputs is not None:
+            raise bad_request(f"'{req.sampling.structured_outputs_param}' cannot be combined with tool_choice "
+                              f"{req.tools.choice!r}: the answer is the tool calls.", "tool_choice")
         _no_logit_bias(b)
         _sglang_fields(b)
-        b.off("tools", lambda v: v == [], "tool calling is not implemented")
-        b.off("tool_choice", lambda v: v == "none", "tool calling is not implemented")
         b.off("functions", lambda v: v == [], "function calling is not implemented")
         b.off("function_call", lambda v: v == "none", "function calling is not implemented")
         b.off("modalities", lambda v: v == ["text"], "only text output is implemented")
@@ -419,7 +423,7 @@ class ChatCompletionRequest:
         b.off("chat_template_kwargs", lambda v: v == {}, "user-supplied template arguments are disabled")
         for name in ("audio", "prediction", "reasoning_effort", "web_search_options", "verbosity"):
             b.off(name, lambda v: False, "not implemented")
-        b.ignore("user", "parallel_tool_calls", "store", "metadata", "service_tier", "prompt_cache_key",
+        b.ignore("user", "store", "metadata", "service_tier", "prompt_cache_key",
                  "safety_identifier")
         b.finish()
         return req
@@ -442,10 +446,15 @@ def _read_messages(v: Any) -> list[dict[str, str]]:
         if role not in CHAT_ROLES:
             raise bad_request(f"Invalid value for '{where}.role': expected one of {', '.join(CHAT_ROLES)}, "
                               f"but got {show(role)} instead.", f"{where}.role")
+        msg: dict[str, Any] = {"role": role, "content": _message_text(where, role, m)}
         if m.get("tool_calls"):
-            raise bad_request(f"'{where}.tool_calls' is not supported by this server (tool calling is not "
-                              "implemented).", f"{where}.tool_calls")
-        msg = {"role": role, "content": _message_text(where, role, m)}
+            if role != "assistant":
+                raise bad_request(f"'{where}.tool_calls' belongs to assistant messages.", f"{where}.tool_calls")
+            msg["tool_calls"] = read_assistant_tool_calls(where, m["tool_calls"])
+        if role == "tool" and m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise _type_error(f"{where}.tool_call_id", "a string", m["tool_call_id"])
+            msg["tool_call_id"] = m["tool_call_id"]
         name = m.get("name")
         if name is not None:
             if not isinstance(name, str):

@@ -80,6 +80,7 @@ class ServingContext:
     max_token_bytes: int  # longest_token_bytes(tokenizer)
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
     reasoning_parser: str | None = None  # chat outputs split into reasoning_content and content
+    tool_call_parser: str | None = None  # with --enable-auto-tool-choice: tool_choice "auto" parses calls
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -8,24 +8,27 @@ from aiohttp import web
 from hybridkv.engine.outputs import Logprob, PositionLogprobs
 from hybridkv.entrypoints.openai.errors import bad_request
 from hybridkv.entrypoints.openai.protocol import ChatCompletionRequest
-from hybridkv.entrypoints.openai.reasoning_parser import ReasoningStream, prompt_in_reasoning, split_reasoning
+from hybridkv.entrypoints.openai.chat_output import ChatOutput
+from hybridkv.entrypoints.openai.reasoning_parser import prompt_in_reasoning
+from hybridkv.entrypoints.openai.tool_parsers import make_parser
 from hybridkv.entrypoints.openai.serving_base import Generation, PromptInput, ServingContext, finite_logprob, send_stream
 from hybridkv.entrypoints.openai.sse import SSEStream
 from hybridkv.model_executor.tokenizer import apply_chat_template
 
 
-def render_chat(ctx: ServingContext, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+def render_chat(ctx: ServingContext, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> str:
     """Worker thread. Template precedence: --chat-template, then the checkpoint's own, then ChatML."""
     try:
-        return apply_chat_template(ctx.tokenizer, messages, ctx.chat_template, add_generation_prompt)
+        return apply_chat_template(ctx.tokenizer, messages, ctx.chat_template, add_generation_prompt, tools)
     except ValueError as e:  # the template rejected these messages (e.g. roles out of order)
         raise bad_request(str(e), "messages") from e
 
 
-def chat_prompt(ctx: ServingContext, messages: list[dict[str, str]],
-                add_generation_prompt: bool = True) -> PromptInput:
+def chat_prompt(ctx: ServingContext, messages: list[dict[str, Any]],
+                add_generation_prompt: bool = True, tools: list[dict] | None = None) -> PromptInput:
     """Worker thread: the rendered conversation and its token ids."""
-    text = render_chat(ctx, messages, add_generation_prompt)
+    text = render_chat(ctx, messages, add_generation_prompt, tools)
     # The rendered text already holds any BOS the template writes.
     return PromptInput(text, ctx.encode(text, add_special_tokens=False, param="messages"))
 
@@ -53,7 +56,13 @@ class ChatServing:
         req = ChatCompletionRequest.parse(body)
         model = ctx.check_model(req.model)
         ctx.check_num_seqs(1, req.sampling.n)
-        prompt = chat_prompt(ctx, req.messages, req.add_generation_prompt)
+        if req.tools.choice == "auto" and ctx.tool_call_parser is None:
+            raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                              'set (or pass tool_choice "required", "none" or a named function)', "tool_choice")
+        if req.tools.constrained:  # the calls' JSON, enforced by constrained decoding
+            req.sampling.structured_outputs = req.tools.constraint()
+            req.sampling.structured_outputs_param = "tool_choice"
+        prompt = chat_prompt(ctx, req.messages, req.add_generation_prompt, req.tools.rendered_tools)
         ctx.check_context(len(prompt.token_ids), req.max_tokens, req.sampling.min_tokens, "messages")
         return req, model, prompt
 
@@ -72,28 +81,23 @@ class ChatServing:
             content.append(item)
         return {"content": content}
 
-    def _in_reasoning(self, gen: Generation) -> bool | None:
-        """None without a reasoning parser; else whether the prompt left the model inside its
-        reasoning (the rendered prompt ends in an open <think>)."""
-        if self.ctx.reasoning_parser is None:
-            return None
-        return prompt_in_reasoning(gen.inputs[0].text or "")
-
-    def _message(self, text: str, in_reasoning: bool | None) -> dict:
-        if in_reasoning is None:
-            return {"role": "assistant", "content": text}
-        reasoning, content = split_reasoning(text, in_reasoning)
-        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+    def _output(self, req: ChatCompletionRequest, gen: Generation) -> ChatOutput:
+        """One choice's output stages: the reasoning split (with --reasoning-parser: where the
+        prompt left the model) and the tools."""
+        ctx = self.ctx
+        in_reasoning = None if ctx.reasoning_parser is None else prompt_in_reasoning(gen.inputs[0].text or "")
+        parser = make_parser(ctx.tool_call_parser) if ctx.tool_call_parser is not None else None
+        return ChatOutput(in_reasoning, req.tools, parser)
 
     def _response(self, req: ChatCompletionRequest, model: str, gen: Generation) -> dict:
         choices = []
-        in_reasoning = self._in_reasoning(gen)
         for c in gen.choices:
+            output = self._output(req, gen)
             choice = {
                 "index": c.index,
-                "message": self._message("".join(c.text), in_reasoning),
+                "message": output.message("".join(c.text)),
                 "logprobs": self._logprobs(req, c.token_ids, c.logprobs) if req.logprobs else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": output.finish_reason(c.finish_reason),
                 "stop_reason": c.stop_reason,
             }
             if req.return_token_ids:
@@ -109,25 +113,7 @@ class ChatServing:
                       gen: Generation) -> web.StreamResponse:
         sse = SSEStream(request)
         await sse.start()
-        in_reasoning = self._in_reasoning(gen)
-        splits: dict[int, ReasoningStream] = {}  # choice index -> its reasoning split
-
-        def delta(index: int, text: str, finished: bool) -> dict:
-            """The choice's delta: its text, or its reasoning and content apart."""
-            if in_reasoning is None:
-                return {"content": text}
-            split = splits.setdefault(index, ReasoningStream(in_reasoning))
-            part = split.feed(text)
-            if finished:
-                rest = split.finish()
-                part.reasoning += rest.reasoning
-                part.content += rest.content
-            out = {}
-            if part.reasoning:
-                out["reasoning_content"] = part.reasoning
-            if part.content or not part.reasoning:
-                out["content"] = part.content
-            return out
+        outputs: dict[int, ChatOutput] = {}  # choice index -> its reasoning split and tool calls
 
         async def choices():
             # OpenAI's first chunk per choice carries the role and no text yet.
@@ -145,9 +131,11 @@ class ChatServing:
                         req.return_token_ids and o.token_ids
                     ):
                         continue  # nothing a client can see (e.g. half of a multi-byte character)
-                    choice = {"index": c.index, "delta": delta(c.index, o.text, o.finish_reason is not None),
-                              "logprobs": logprobs,
-                              "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+                    output = outputs.setdefault(c.index, self._output(req, gen))
+                    finished = o.finish_reason is not None
+                    delta = output.finish(o.text) if finished else output.feed(o.text)
+                    choice = {"index": c.index, "delta": delta, "logprobs": logprobs,
+                              "finish_reason": output.finish_reason(o.finish_reason), "stop_reason": o.stop_reason}
                     if req.return_token_ids:
                         choice["token_ids"] = list(o.token_ids)
                     yield choice

@@ -45,7 +45,7 @@ def test_structured_outputs_extra_field_on_both_endpoints():
     (dict(structured_outputs={"whitespace_pattern": " "}), "structured_outputs.whitespace_pattern"),
     (dict(structured_outputs={"choice": []}), "structured_outputs"),
     (dict(structured_outputs={"regex": "a"}, response_format={"type": "json_object"}), "structured_outputs"),
-    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (dict(tools=[{"type": "function", "function": {}}]), "tools[0].function.name"),
     (dict(tool_choice="required"), "tool_choice"),
 ])
 def test_malformed_constraints_are_400s_naming_the_field(fields, param):
