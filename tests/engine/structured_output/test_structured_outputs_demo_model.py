@@ -104,3 +104,16 @@ def test_a_schema_the_library_cannot_compile_raises_value_error(llm):
         llm.generate(["hi"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed")),
                      use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_llm_chat_with_a_schema_beside_an_unconstrained_conversation(llm):
+    """LLM.chat batches a constrained conversation with a free one; the free one keeps its tokens."""
+    conversations = [[{"role": "user", "content": "Describe a person living in Paris as JSON."}],
+                     [{"role": "user", "content": "Say hello in French."}]]
+    free = SamplingParams(max_tokens=24, temperature=0)
+    alone = llm.chat(conversations[1:], free, use_tqdm=False)[0].outputs[0].token_ids
+    outs = llm.chat(conversations, [SamplingParams(max_tokens=150, temperature=0,
+                                                   structured_outputs=StructuredOutputsParams(json=PERSON)), free],
+                    use_tqdm=False)
+    jsonschema.validate(json.loads(outs[0].outputs[0].text), PERSON)
+    assert outs[1].outputs[0].token_ids == alone, "a constrained neighbour changed an unconstrained conversation"
