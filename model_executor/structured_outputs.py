@@ -9,6 +9,11 @@ the engine's structured_output package turns it into a grammar. Exactly one form
 - ``choice``: a list of strings, the output is one of them;
 - ``grammar``: a context-free grammar, in Lark or GBNF (llama.cpp's EBNF) syntax;
 - ``json_object=True``: any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
+
+``start_after`` (optional, with any form): the grammar applies only to what follows the first
+occurrence of this text in the output, e.g. ``"</think>"`` for a reasoning model, whose
+reasoning stays free and whose answer is constrained (what the server does under
+``--reasoning-parser``). Until the text is written nothing is constrained.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    start_after: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in _FORMS if getattr(self, name) not in (None, False)]
@@ -54,6 +60,8 @@ class StructuredOutputsParams:
                 raise ValueError(f"StructuredOutputsParams: choice must be a non-empty list of non-empty strings, "
                                  f"got {self.choice!r}")
             self.choice = list(self.choice)
+        if self.start_after is not None and (not isinstance(self.start_after, str) or not self.start_after):
+            raise ValueError(f"StructuredOutputsParams: start_after must be a non-empty string, got {self.start_after!r}")
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise ValueError(f"StructuredOutputsParams: json_object must be a boolean, got {self.json_object!r}")
 

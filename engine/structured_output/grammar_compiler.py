@@ -92,6 +92,10 @@ class GrammarCompiler:
         self.num_failures = 0
         self.num_cache_hits = 0
 
+    def encode(self, text: str) -> list[int]:
+        """text's token ids, as the model would write it (no special tokens added)."""
+        return list(self._hf_tokenizer.encode(text, add_special_tokens=False))
+
     @property
     def mask_width(self) -> int:
         """int32 words per mask row."""

@@ -13,7 +13,8 @@ Lifecycle of a constrained request:
    the sampler with the step (never to the decode bursts: a constrained request is not plain
    greedy, so bursts do not run while one is scheduled).
 4. each sampled token advances the sequence's matcher; when the grammar is complete the
-   sequence finishes with "stop" (EOS is only allowed where the grammar accepts).
+   sequence finishes with "stop" (EOS is only allowed where the grammar accepts). With a start
+   marker (start_after) steps 3 and 4 begin once the output holds the marker.
 """
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ class StructuredOutputManager:
         if fut.done() and fut.exception() is not None:
             raise fut.exception()
         self.num_requests += 1
-        return [RequestGrammar(fut) for _ in range(n)]
+        start_after = (self.compiler.encode(spec.start_after) if spec.start_after is not None else None)
+        return [RequestGrammar(fut, start_after) for _ in range(n)]
 
     def track(self, requests: Sequence[Request]) -> None:
         """Watch these sequences' compiles (a failure finishes them: take_failed)."""
@@ -112,7 +114,7 @@ class StructuredOutputManager:
     def bitmask(self, scheduled: Sequence[ScheduledRequest]) -> TokenBitmask | None:
         """The allowed-token rows of the step's constrained sequences that sample."""
         rows = [(s.request_id, s.request.grammar, s.output_token_ids) for s in scheduled
-                if s.samples and s.request.grammar is not None]
+                if s.samples and s.request.grammar is not None and s.request.grammar.active(s.output_token_ids)]
         return self.builder.build(rows)
 
     @staticmethod
@@ -124,6 +126,8 @@ class StructuredOutputManager:
         required)."""
         grammar = req.grammar
         if status is not None and status is not RequestStatus.FINISHED_LENGTH:
+            return status
+        if not grammar.active(req.output_token_ids):  # before its start marker: unconstrained
             return status
         matcher = grammar.sync(req.output_token_ids)
         if grammar.failed:

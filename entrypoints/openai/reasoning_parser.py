@@ -39,6 +39,13 @@ def prompt_in_reasoning(prompt: str) -> bool:
     return prompt.rfind(START_TAG) > prompt.rfind(END_TAG)
 
 
+def reasoning_precedes_answer(prompt: str) -> bool:
+    """Whether the model will reason before it answers this prompt: the prompt does not end in a
+    closed reasoning block (DeepSeek-V4's non-thinking mode, Qwen3 with thinking off). A
+    constrained answer (response_format, an enforced tool choice) then starts after END_TAG."""
+    return not prompt.rstrip().endswith(END_TAG)
+
+
 def _held_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of tag (what must be held
     back until the next delta says whether the tag follows)."""

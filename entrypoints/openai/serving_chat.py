@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages rendered with the chat template, answered whole or streamed."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from aiohttp import web
@@ -9,7 +10,7 @@ from hybridkv.engine.outputs import Logprob, PositionLogprobs
 from hybridkv.entrypoints.openai.errors import bad_request
 from hybridkv.entrypoints.openai.protocol import ChatCompletionRequest
 from hybridkv.entrypoints.openai.chat_output import ChatOutput
-from hybridkv.entrypoints.openai.reasoning_parser import prompt_in_reasoning
+from hybridkv.entrypoints.openai.reasoning_parser import END_TAG, prompt_in_reasoning, reasoning_precedes_answer
 from hybridkv.entrypoints.openai.tool_parsers import make_parser
 from hybridkv.entrypoints.openai.serving_base import Generation, PromptInput, ServingContext, finite_logprob, send_stream
 from hybridkv.entrypoints.openai.sse import SSEStream
@@ -63,6 +64,10 @@ class ChatServing:
             req.sampling.structured_outputs = req.tools.constraint()
             req.sampling.structured_outputs_param = "tool_choice"
         prompt = chat_prompt(ctx, req.messages, req.add_generation_prompt, req.tools.rendered_tools)
+        spec = req.sampling.structured_outputs
+        if spec is not None and ctx.reasoning_parser is not None and reasoning_precedes_answer(prompt.text):
+            # The reasoning stays free; the grammar constrains the answer after it.
+            req.sampling.structured_outputs = dataclasses.replace(spec, start_after=END_TAG)
         ctx.check_context(len(prompt.token_ids), req.max_tokens, req.sampling.min_tokens, "messages")
         return req, model, prompt
 

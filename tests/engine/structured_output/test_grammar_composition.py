@@ -195,3 +195,33 @@ def test_eos_is_allowed_only_where_the_grammar_accepts(tiny_ckpt):
     assert not grammar.terminated
     grammar.sync(a + tok.encode("b", add_special_tokens=False))
     assert grammar.terminated, "'ab' can only end"
+
+
+def test_a_grammar_with_a_start_marker_leaves_what_comes_before_free(tiny_ckpt):
+    """start_after (a reasoning model's "</think>"): the output up to the marker is what the model
+    writes unconstrained, token for token; what follows matches the grammar."""
+    llm = LLM(tiny_ckpt("llama"), dtype="float32", max_model_len=256)
+    tok = llm.get_tokenizer()
+    prompt = _prompts(1)[0]
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    # The marker: the free run's tokens 3..5, as text that encodes back to those very tokens.
+    cut = next(i for i in range(3, 9) if tok.encode(tok.decode(free[i:i + 3]), add_special_tokens=False) == free[i:i + 3])
+    marker = tok.decode(free[cut:cut + 3])
+    spec = StructuredOutputsParams(regex=REGEX, start_after=marker)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=60, structured_outputs=spec),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:cut + 3] == free[:cut + 3], "the grammar constrained tokens before its start marker"
+    answer = tok.decode(out.token_ids[cut + 3:])
+    assert re.fullmatch(REGEX, answer) and out.finish_reason == "stop", answer
+
+
+def test_the_start_marker_is_found_incrementally_and_after_a_rollback():
+    done: Future = Future()
+    grammar = RequestGrammar(done, start_after=[7, 8])
+    assert grammar.start_of([1, 2, 7]) is None and not grammar.active([1, 2, 7])
+    assert grammar.start_of([1, 2, 7, 8]) == 4  # the marker spans the previous call's end
+    assert grammar.start_of([1, 2, 7, 8, 9, 9]) == 4
+    assert grammar.start_of([1, 2, 7]) is None  # rolled back before the marker's end
+    assert grammar.start_of([1, 2, 3, 7, 8]) == 5
+    assert RequestGrammar(done).start_of([5, 6]) == 0  # no marker: constrained from the first token

@@ -50,3 +50,27 @@ def test_an_unknown_parser_is_refused_before_the_model_loads(tiny_ckpt):
 
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         ServerSettings(reasoning_parser="r1").validate()
+
+
+def test_a_constrained_answer_starts_after_the_reasoning(server):
+    """With a reasoning parser the grammar applies after </think>: a prompt that closed the
+    reasoning gets a valid JSON answer at once; one that opened it leaves the thinking free (the
+    tiny model never closes it, so nothing is constrained and everything is reasoning)."""
+    import json
+
+    srv, template = server
+    client = srv.client()
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
+                                       response_format={"type": "json_object"})
+    message = r.choices[0].message
+    reasoning = (message.model_extra or {}).get("reasoning_content")
+    if template == THINKING:
+        assert reasoning and message.content is None
+    else:
+        assert reasoning is None
+        if r.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(message.content), dict)
+        else:  # cut at max_tokens: a JSON prefix
+            assert message.content.lstrip().startswith("{")
+    client.close()
+    srv.engine.check_idle(timeout=15)
