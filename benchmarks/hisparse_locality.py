@@ -33,7 +33,7 @@ adjacent-step overlap |S_t & S_(t-1)| / k, and the bytes moved per step and CSA 
 584 B, DeepSeek-V4-Flash's C4 entry as released (FP8 448-dim no-rope part, bf16 64-dim rope
 part, scales; SGLang's C4 pool, /work/shared/reference/deepseek_v4.md; bf16 would be 1,024 B).
 
-    python benchmarks/hisparse_locality.py     # ~5 minutes on 2 cores
+    python benchmarks/hisparse_locality.py     # ~3 minutes on 2 cores (--context 4096: ~6)
     [--context 2048 --gen-tokens 128 --topk 64 --window 128
      --multiples 1 2 4 8 16 --heads mean max --drift 0.9 0.7 0.5 0.2 --threads N --skip-model]
 
