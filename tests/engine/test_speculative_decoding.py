@@ -130,3 +130,63 @@ def test_refused_settings_raise_before_the_model_loads(tiny_ckpt, monkeypatch):
         EngineConfig(speculative_config=SPEC, enable_hierarchical_cache=True)
     with pytest.raises(ValueError, match="whole-history full attention"):
         LLM(tiny_ckpt("mistral", sliding_window=16), max_model_len=128, speculative_config=SPEC)
+
+
+def test_truncate_returns_the_pages_of_rejected_positions_and_publishes_none():
+    """KVCacheManager.truncate: pages past the accepted tokens go back to the free list, the
+    block table shrinks with them, and only whole pages of accepted tokens are ever published."""
+    from hybridkv.block_manager.kv_cache_manager import KVCacheManager
+    from hybridkv.block_manager.space_spec import SpaceSpec
+
+    P = 4
+    kv = KVCacheManager([SpaceSpec("full", bytes_per_slot=8)], {"full": 16}, P, True, decode_publish_tokens=P)
+    toks = list(range(100, 106))  # 6 prompt tokens
+    assert kv.allocate("a", len(toks))
+    kv.commit("a", toks, len(toks), prompt_done=True)
+    free = kv.spaces["full"].num_free
+    assert kv.allocate("a", len(toks) + 1 + 6, decode=True)  # last token + 6 drafts: 13 tokens, 4 pages
+    assert kv.spaces["full"].num_free == free - 2
+    toks += [7, 8]  # the last token was computed, one draft accepted; the model's token follows
+    kv.truncate("a", 7)
+    kv.commit("a", toks, 7)
+    kv.check_invariants()
+    assert kv.spaces["full"].num_free == free and len(kv.page_table("a", "full")) == 2
+    assert kv.match_prefix(toks + [0], touch=False).num_tokens == 4  # page 2 (tokens 4..7) is not whole yet
+    assert kv.allocate("a", 8, decode=True)  # the next step grows again
+    kv.retire("a", toks, 7, turn_done=True)
+    kv.assert_idle()
+
+
+def test_the_cli_passes_the_speculative_config_through():
+    from hybridkv.entrypoints.cli import build_parser, engine_kwargs
+
+    for cmd in ("generate", "serve"):
+        args = build_parser().parse_args([cmd, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+        assert SpeculativeConfig.parse(engine_kwargs(args)["speculative_config"]).num_speculative_tokens == 3
+
+
+def test_streams_under_the_async_engine_equal_plain_decoding(tiny_ckpt):
+    """The server's engine (streamed deltas, a step at a time): the tokens of plain decoding."""
+    import asyncio
+
+    from hybridkv.engine.async_llm_engine import AsyncLLMEngine
+
+    path = tiny_ckpt("llama")
+    plain = LLM(path, dtype="float32", max_model_len=256)
+    prompts = _prompts(plain.engine.runner.config.vocab_size)[:2]
+    ref = [t for t, _ in _generate(plain, prompts, _params(2))]
+    eng = AsyncLLMEngine.from_config(EngineConfig(model=path, dtype="float32", max_model_len=256,
+                                                  speculative_config=SPEC))
+
+    async def one(p, rid):
+        outs = [o async for o in eng.generate({"prompt_token_ids": p}, _params(1)[0], rid)]
+        return list(outs[-1].outputs[0].token_ids)  # cumulative outputs: the last holds them all
+
+    async def run():
+        return await asyncio.gather(*(one(p, f"r{i}") for i, p in enumerate(prompts)))
+
+    try:
+        assert asyncio.run(run()) == ref
+        assert eng.engine.stats["spec_accepted_tokens"] > 0
+    finally:
+        eng.shutdown()
