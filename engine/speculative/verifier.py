@@ -8,6 +8,8 @@ accepted row follows them, so a step yields 1..k+1 tokens, each the one plain gr
 would have produced. The tokens are taken one at a time with the engine's stop checks (EOS, stop
 ids and strings, max_tokens): those after a stop are dropped, and the request's computed length
 counts only the tokens it kept (the K/V of the rest is overwritten or its pages given back).
+"The same token" holds bit for bit where the model's rows do not depend on the chunk's row count
+(the engine's batch-invariance contract, tests/engine/test_batch_invariance.py).
 """
 from __future__ import annotations
 
