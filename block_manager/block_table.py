@@ -65,6 +65,13 @@ class BlockTable:
         self.num_pages[row] = 0
         self._free_rows.append(row)
 
+    def truncate(self, row: int, n: int) -> None:
+        """Keep the row's first n entries (the others go back to NULL_PAGE)."""
+        pending = self._pending
+        for i in range(n, self.num_pages[row]):
+            pending[row, i] = NULL_PAGE
+        self.num_pages[row] = min(n, self.num_pages[row])
+
     def _widen(self, width: int) -> None:
         old = self.tensor
         self._tensor = torch.full((old.shape[0], width), NULL_PAGE, dtype=torch.int32)

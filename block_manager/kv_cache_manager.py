@@ -414,6 +414,27 @@ class KVCacheManager:
                 nxt = min(nxt, spec.release_at(req.num_released_pages.get(name, 0), P))
         req.commit_at = nxt
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Give back the request's pages past its first num_tokens tokens (speculative decoding:
+        the positions of rejected drafts). Only whole-history unwindowed spaces reach here (the
+        engine refuses speculation otherwise); pages past the computed tokens are never in the
+        prefix index, so they return to the free list."""
+        req = self._requests[request_id]
+        for name, tokens_per_slot, entries_per_page, space in self._layout:
+            keep = -(-(num_tokens // tokens_per_slot) // entries_per_page)
+            table = req.tables[name]
+            if len(table) <= keep:
+                continue
+            for page in reversed(table[keep:]):
+                if page != NULL_PAGE:
+                    space.decref(page)
+            del table[keep:]
+            self.block_tables[name].truncate(req.row, keep)
+        req.grow_at = min(
+            (len(req.tables[name]) * entries_per_page + 1) * tokens_per_slot
+            for name, tokens_per_slot, entries_per_page, _ in self._layout
+        )
+
     def retire(
         self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, turn_done: bool, swap: bool = False
     ) -> None:

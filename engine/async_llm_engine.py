@@ -113,6 +113,8 @@ class EngineSnapshot:
     storage: dict[str, float] = field(default_factory=dict)
     # HiSparse, when enabled: hot-buffer lookups / hits / loads, rows held, mirror pages.
     hisparse: dict[str, float] = field(default_factory=dict)
+    # Speculative decoding, when enabled: the engine's spec_* counters (engine/speculative/verifier.py).
+    speculative: dict = field(default_factory=dict)
     # Bytes allocated for the KV cache: tier ("device" / "host") -> space -> bytes (fixed at start).
     kv_cache_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     # Structured outputs: constrained requests, grammar compiles (count, seconds), cache hits.
@@ -150,6 +152,7 @@ class EngineSnapshot:
             storage=engine.storage.snapshot() if engine.storage is not None else {},
             hisparse=engine.hisparse_stats(),
             kv_cache_bytes=engine.kv_cache_bytes,
+            speculative={k: v for k, v in engine.stats.items() if k.startswith("spec_")},
             structured_outputs=engine.structured.stats(),
         )
 

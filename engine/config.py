@@ -10,6 +10,7 @@ from hybridkv.attention_backends.registry import validate_attention_backend_name
 from hybridkv.engine.gap_budget import check_step_seconds
 from hybridkv.engine.kv_event_publisher import KVEventsConfig
 from hybridkv.engine.node_layout import resolve_nodes
+from hybridkv.engine.speculative.config import SpeculativeConfig, check_speculation
 
 
 def resolve_device(name: str) -> torch.device:
@@ -123,6 +124,10 @@ class EngineConfig:
     nnodes: int | None = None
     node_rank: int | None = None
     dist_init_addr: str | None = None
+    # Speculative decoding (vLLM's name; engine/speculative/): {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_min": m, "prompt_lookup_max": n}, a dict or its
+    # JSON. None = off. Greedy requests only; the model and features it refuses: docs/configuration.md.
+    speculative_config: str | dict | None = None
 
     def __post_init__(self) -> None:
         self._check_tensor_parallel()
@@ -166,6 +171,9 @@ class EngineConfig:
             raise ValueError("hisparse_config is given but enable_hisparse is False")
         if self.enable_hisparse:
             HiSparseConfig.parse(self.hisparse_config)  # a bad config fails before the model loads
+        spec = SpeculativeConfig.parse(self.speculative_config)  # the model's spaces are checked at load
+        if spec is not None:
+            check_speculation(spec, self, [], None)
         if KVEventsConfig.parse(self.kv_events_config) is not None and not self.enable_prefix_caching:
             raise ValueError("kv_events_config reports the prefix cache's pages: set enable_prefix_caching=True")
 

@@ -29,6 +29,8 @@ from hybridkv.engine.request import Request, RequestStatus
 from hybridkv.engine.request_group import RequestGroup, make_output
 from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from hybridkv.engine.speculative.config import speculation_config
+from hybridkv.engine.speculative.verifier import Verifier
 from hybridkv.engine.step_executor import StepExecutor
 from hybridkv.engine.structured_output import StructuredOutputManager
 from hybridkv.engine.tier_factory import wire_tiers
@@ -81,6 +83,7 @@ class LLMEngine:
         self.max_model_len = skeleton.max_model_len
         memory = plan_kv_memory(config, specs, skeleton.model, self.max_model_len)
         self.block_size, self.hisparse = memory.block_size, memory.hisparse
+        self.speculative = speculation_config(config, specs, self.hisparse)  # refused before the weights load
 
         if parallel is None:
             self.runner: ModelRunner | TensorParallelRunner = ModelRunner(
@@ -133,11 +136,12 @@ class LLMEngine:
         self._counter = itertools.count()  # request ids for callers that give none
         self._sequence_counter = itertools.count()  # internal sequence ids (_new_sequence_id)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "burst_calls": 0}
+        self.verifier = Verifier.attach(self.speculative, self.scheduler, self.max_model_len, self.stats)
         # Decode steps per model call (engine/decode_burst.py); off under a step-time target.
         # AsyncLLMEngine resolves it again as a streaming server.
         self.executor = StepExecutor(self.kv, self.runner, self.max_model_len,
                                      burst_limit(config.num_scheduler_steps, config.target_step_seconds,
-                                                 streaming=False), self.stats)
+                                                 streaming=False), self.stats, self.verifier is not None)
         logger.info(
             "engine ready: model=%s dtype=%s max_model_len=%d block_size=%d spaces=%s prefix_caching=%s",
             model_dir, self.runner.dtype, self.max_model_len, self.block_size,
@@ -153,8 +157,7 @@ class LLMEngine:
         self.executor.burst_limit = value
 
     @property
-    def tier_stats(self) -> dict:
-        """Host tier copies the runner executed: bytes each way and seconds spent."""
+    def tier_stats(self) -> dict:  # host tier copies the runner executed: bytes each way and seconds spent
         return self.runner.copy_stats
 
     # -- requests ------------------------------------------------------------------------------
@@ -172,10 +175,10 @@ class LLMEngine:
         client_id: Any = None,
         interactive: bool = True,
     ) -> str:
-        """client_id: the fairness key admission round-robins over (default: request_id); give
-        several requests the same key when they come from one client request (a prompt batch).
-        interactive: someone watches this request's tokens arrive (a stream); only such decodes
-        hold prefill chunks to the step-time target (config.target_step_seconds)."""
+        """client_id: the fairness key admission round-robins over (default: request_id); give several
+        requests the same key when they come from one client request (a prompt batch). interactive: someone
+        watches this request's tokens arrive (a stream); only such decodes hold prefill chunks to the
+        step-time target (config.target_step_seconds)."""
         params = params or SamplingParams()
         if request_id is None:
             request_id = str(next(self._counter))
@@ -226,17 +229,15 @@ class LLMEngine:
     def _new_sequence_id(self, request_id: str, index: int) -> str:
         """The internal id of one sequence (one of a request's n samples).
 
-        The scheduler, the KV manager and the runner key their state by it. It is unique for
-        the engine's lifetime whatever ids users choose: the part after the last "@" is a
-        private counter (digits only, so that "@" always delimits it), and no two sequences get
-        the same counter. The user's id and the sample index are kept in front only to make
-        logs readable; outputs and abort_request use the user's request_id.
-        """
+        The scheduler, the KV manager and the runner key their state by it. It is unique for the engine's
+        lifetime whatever ids users choose: the part after the last "@" is a private counter (digits only,
+        so that "@" always delimits it), and no two sequences get the same counter. The user's id and the
+        sample index are kept in front only to make logs readable; outputs and abort_request use the
+        user's request_id."""
         return f"{request_id}#{index}@{next(self._sequence_counter)}"
 
     def sequence_ids(self, request_id: str) -> list[str]:
-        """The internal ids of a request's sequences while it is in flight (debug/test hooks
-        such as runner.captured_logits key by them)."""
+        """The internal ids of a request's sequences in flight (debug/test hooks like runner.captured_logits)."""
         group = self._groups.get(request_id)
         return [r.request_id for r in group.children] if group is not None else []
 
@@ -301,9 +302,9 @@ class LLMEngine:
         return list(groups.values())
 
     def _book(self, sched: SchedulerOutput, results: list[RunnerOutput]) -> list[RequestGroup]:
-        """Record the step's results one decode step at a time (a burst's as the ordinary steps it
-        stands for): computed counts and published pages, then each request's token and stop
-        check; a request that stopped takes no more of its tokens."""
+        """Record the step's results one decode step at a time (a burst's as the ordinary steps it stands
+        for): computed counts and published pages, then each request's token(s) and stop check; a request
+        that stopped takes no more of its tokens."""
         touched: dict[str, RequestGroup] = {}
         live = sched.scheduled
         for j, result in enumerate(results):
@@ -312,14 +313,14 @@ class LLMEngine:
             else:
                 self.scheduler.update_after_decodes([s.request for s in live])
             self.stats["steps"] += 1
-            for group in self._process(live, result):
+            for group in self._process(live, result, sched.drafts):
                 touched[group.request_id] = group
             live = [s for s in live if not s.request.finished]
             if not live:
                 break
         return list(touched.values())
 
-    def _process(self, scheduled: list[ScheduledRequest], result: RunnerOutput) -> list[RequestGroup]:
+    def _process(self, scheduled: list[ScheduledRequest], result: RunnerOutput, drafts: dict) -> list[RequestGroup]:
         now = time.monotonic()
         touched: dict[str, RequestGroup] = {}
         for s in scheduled:
@@ -334,26 +335,34 @@ class LLMEngine:
         for s in scheduled:
             req = s.request
             sampled = result.sampled.get(req.request_id)
-            if sampled is None:
+            verified = result.verified.get(req.request_id) if drafts else None
+            if sampled is None and verified is None:
                 continue
             group = self._request_to_group[req.request_id]
             touched[group.request_id] = group
-            tok = sampled.token_id
-            req.append_output_token(tok)
-            self.stats["generation_tokens"] += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.last_token_time = now
+            status = (self.verifier.book(req, drafts[req.request_id], verified,  # 1..k+1 tokens, each stop-checked
+                                         lambda tok: self._take(req, group, tok, now, None))
+                      if verified is not None else self._take(req, group, sampled.token_id, now, sampled))
+            if status is not None:
+                self.scheduler.finish(req, status)
+        return list(touched.values())
+
+    def _take(self, req: Request, group: RequestGroup, tok: int, now: float, sampled) -> RequestStatus | None:
+        """Append one generated token and check the stop conditions after it."""
+        req.append_output_token(tok)
+        self.stats["generation_tokens"] += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        if sampled is not None:  # None: a verified token (greedy, no logprobs asked)
             if sampled.logprob is not None:
                 req.cumulative_logprob += sampled.logprob
             if req.logprobs is not None and sampled.top_logprobs is not None:
                 req.logprobs.append(self._to_logprobs(sampled.top_logprobs))
-            status = self._check_stop(req, group.detoks[req.request_id])
-            if req.grammar is not None:
-                status = self.structured.after_token(req, status)
-            if status is not None:
-                self.scheduler.finish(req, status)
-        return list(touched.values())
+        status = self._check_stop(req, group.detoks[req.request_id])
+        if req.grammar is not None:
+            status = self.structured.after_token(req, status)
+        return status
 
     def _check_stop(self, req: Request, detok: IncrementalDetokenizer) -> RequestStatus | None:
         tok = req.output_token_ids[-1]
@@ -416,15 +425,14 @@ class LLMEngine:
             self.kv_event_publisher.publish(self.kv.take_kv_events())
 
     def check_workers(self) -> None:
-        """Raise, naming the rank, when a tensor-parallel worker of this machine has exited since
-        the last step (nothing to check in one process)."""
+        """Raise, naming the rank, when a tensor-parallel worker here exited since the last step."""
         if isinstance(self.runner, TensorParallelRunner):
             self.runner.workers.check()
 
     def parallel_layout(self) -> dict[str, str]:
-        """How the model is split over processes and machines, as labels (the server exports them
-        as hybridkv:parallel_layout, so a dashboard can tell what a deployment runs). backend: the
-        collectives' (gloo, nccl), "none" in one process."""
+        """How the model is split over processes and machines, as labels (the server exports them as
+        hybridkv:parallel_layout, so a dashboard can tell what a deployment runs). backend: the collectives'
+        (gloo, nccl), "none" in one process."""
         workers = getattr(self.runner, "workers", None)
         expert_parallel = bool(getattr(self.config, "enable_expert_parallel", False))  # not every build has it
         return {"tensor_parallel_size": str(self.config.tensor_parallel_size), "nnodes": str(self.config.nnodes),
@@ -432,8 +440,7 @@ class LLMEngine:
                 "expert_parallel": str(expert_parallel).lower()}
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do with tensor_parallel_size=1). Garbage
-        collection and interpreter exit stop them too."""
+        """Stop the tensor-parallel workers (none with tensor_parallel_size=1); GC and interpreter exit do too."""
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
         self.structured.shutdown()

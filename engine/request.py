@@ -61,6 +61,8 @@ class Request:
     # Structured outputs: this sequence's grammar matcher (None: unconstrained). The scheduler
     # admits the request only once it is compiled (engine/structured_output/manager.py).
     grammar: "RequestGrammar | None" = None
+    # Speculative decoding: this sequence's n-gram index (engine/speculative/ngram_proposer.py).
+    ngram_index: object = None
     # Timestamps for metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -92,6 +92,9 @@ class SchedulerOutput:
     estimated_flops: float = 0.0  # priced only when the scheduler has a latency target
     estimated_reads: float = 0.0  # K/V read once per chunk (StepCost.chunk_reads units)
     computed_prefill: bool = False  # some chunk computed more than one token
+    # Speculative decoding: request id -> the drafts it verifies this step (its chunk is the last
+    # token + these; engine/speculative/verifier.py books it)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -136,6 +139,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.policy = SchedulingPolicy(config.policy)
+        # Speculative decoding's drafter (engine/speculative/ngram_proposer.py); None: off.
+        self.proposer = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -177,6 +182,18 @@ class Scheduler:
             if timer is not None and (total - start > 1 or not req.output_token_ids):  # not a decode
                 n = self._price_chunk(start, n, total, out)
                 if n == 0:  # over this step's latency budget: it continues next step
+                    i += 1
+                    continue
+            if n == 1 and self.proposer is not None and req.output_token_ids:
+                drafts = self.proposer.propose(req, budget)
+                # all-or-nothing like any chunk; with no room the request just decodes
+                if drafts and allocate(req.request_id, total + len(drafts), decode=True):
+                    out.drafts[req.request_id] = drafts
+                    scheduled.append(ScheduledRequest(
+                        req.request_id, toks[start:total] + drafts, start, total + len(drafts), False, req.params,
+                        req.generator, req.prompt_token_ids, req.output_token_ids, req,
+                    ))
+                    budget -= 1 + len(drafts)
                     i += 1
                     continue
             end = start + n
@@ -342,7 +359,10 @@ class Scheduler:
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance computed counts and publish newly completed pages to the prefix cache."""
         commit, pages_of = self.kv.commit, self.kv.request_pages
+        drafts = out.drafts
         for s in out.scheduled:
+            if drafts and s.request_id in drafts:
+                continue  # its computed count is what verification accepts (verifier.py)
             req = s.request
             end = req.num_computed_tokens = s.end
             # The prompt's end is marked as a likely match point: its siblings/retries match there.
@@ -359,6 +379,15 @@ class Scheduler:
             end = req.num_computed_tokens = req.num_computed_tokens + 1
             if end >= pages_of[req.request_id].commit_at:
                 commit(req.request_id, req.all_token_ids, end)
+
+    def update_after_verify(self, req: Request, num_computed_tokens: int) -> None:
+        """A verified request's computed count: only its accepted tokens. The pages taken for the
+        rejected positions past them go back; the slots of rejected tokens in the last page kept
+        are overwritten by later tokens, and no page is published before it is whole."""
+        req.num_computed_tokens = num_computed_tokens
+        self.kv.truncate(req.request_id, num_computed_tokens)
+        if num_computed_tokens >= self.kv.request_pages[req.request_id].commit_at:
+            self.kv.commit(req.request_id, req.all_token_ids, num_computed_tokens)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Retire a request (finished or aborted) and release its pages."""

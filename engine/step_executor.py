@@ -21,11 +21,13 @@ from hybridkv.model_executor.token_bitmask import TokenBitmask
 
 class StepExecutor:
     def __init__(self, kv: KVCacheManager, runner: ModelRunner, max_model_len: int, burst_limit: int,
-                 stats: dict) -> None:
+                 stats: dict, speculative: bool = False) -> None:
         """burst_limit: the most decode steps one model call may run (1: never a burst).
-        stats: the engine's counters ("burst_calls" is counted here)."""
+        stats: the engine's counters ("burst_calls" is counted here). speculative: n-gram drafts
+        are verified (engine/speculative/): never a burst, which would skip k steps of drafting."""
         self.kv, self.runner, self.max_model_len = kv, runner, max_model_len
         self.burst_limit = burst_limit
+        self.speculative = speculative
         self.stats = stats
 
     def run(self, sched: SchedulerOutput, scheduler: Scheduler,
@@ -42,7 +44,7 @@ class StepExecutor:
                 return [RunnerOutput(sampled={rid: SampledToken(toks[j], None, None) for rid, toks in tokens.items()})
                         for j in range(steps)]
         plan = self.kv.plan([s.request_id for s in sched.scheduled])
-        return [self.runner.execute(ModelInput(sched.scheduled, token_bitmask), plan)]
+        return [self.runner.execute(ModelInput(sched.scheduled, token_bitmask, frozenset(sched.drafts)), plan)]
 
     def flush_copies(self) -> None:
         """Execute the tier copies decided since the last plan, now (no forward waits for them),
@@ -56,7 +58,7 @@ class StepExecutor:
 
     # -- decode bursts (num_scheduler_steps) ------------------------------------------------------
     def _burst_steps(self, sched: SchedulerOutput, scheduler: Scheduler) -> int:
-        if (self.burst_limit <= 1 or sched.preempted or self.kv.storage is not None
+        if (self.burst_limit <= 1 or self.speculative or sched.preempted or self.kv.storage is not None
                 or self.runner.hot_buffers is not None or not self.runner.burst_fits(len(sched.scheduled))):
             return 1
         return burst_steps(self.burst_limit, [s.request for s in sched.scheduled],

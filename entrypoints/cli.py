@@ -112,6 +112,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="greedy decode steps per model call when every running request decodes greedily "
                         "and none waits (default: 8 without a step target, so `generate`; 1 with one, so `serve`)")
+    p.add_argument("--speculative-config", default=None,
+                   help='speculative decoding (vLLM\'s format), JSON, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\': greedy requests only, '
+                        "full-attention models (docs/configuration.md)")
     p.add_argument("--dequantize-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="FP8/FP4 checkpoints: dequantize once at load (faster, 2-4x the memory) instead of "
                         "keeping weights compressed (default: compressed)")
@@ -199,6 +203,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_hisparse=args.enable_hisparse,
         hisparse_config=args.hisparse_config,
         kv_events_config=args.kv_events_config,
+        speculative_config=args.speculative_config,
     )
     return kwargs
 

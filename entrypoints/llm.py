@@ -47,6 +47,11 @@ class LLM:
     greedily and nobody waits (None: 8 here, 1 with a target_step_seconds); the tokens are
     those of one step at a time.
 
+    speculative_config (vLLM's): {"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_min": m, "prompt_lookup_max": n}: greedy requests verify up to k tokens copied
+    from their own prompt + output per forward; outputs are those of plain greedy decoding.
+    Full-attention models only (docs/configuration.md lists what is refused).
+
     tensor_parallel_size: model shards, one process each (torch.distributed; gloo on the CPU):
     this process is rank 0 and starts N-1 workers, stopped by shutdown(). Dense Llama-family and
     Gemma-3 models and DeepSeek-V4 (quantized checkpoints included); every KV tier runs on each
@@ -110,6 +115,7 @@ class LLM:
         nnodes: int | None = None,
         node_rank: int | None = None,
         dist_init_addr: str | None = None,
+        speculative_config: str | dict | None = None,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -154,6 +160,7 @@ class LLM:
                 nnodes=nnodes,
                 node_rank=node_rank,
                 dist_init_addr=dist_init_addr,
+                speculative_config=speculative_config,
             )
         )
 

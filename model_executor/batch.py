@@ -51,3 +51,6 @@ class ModelInput:
     # Structured outputs: the allowed next tokens of the constrained sequences that sample now,
     # read by the sampler only (rank 0 under tensor parallelism: never sent to the workers).
     token_bitmask: TokenBitmask | None = None
+    # Speculative decoding: sequences whose every row gets its greedy token (the last accepted
+    # token and its drafts, verified in one forward); they sample nothing else.
+    verify: frozenset[str] = frozenset()

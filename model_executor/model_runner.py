@@ -40,7 +40,7 @@ from hybridkv.model_executor.models.base import CausalLM
 from hybridkv.model_executor.models.registry import resolve_model_class
 from hybridkv.model_executor.parallel.shard_loader import iter_weight_shards
 from hybridkv.model_executor.parallel.state import TensorParallel
-from hybridkv.model_executor.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+from hybridkv.model_executor.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, greedy_tokens
 
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,8 @@ class RunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     # request id -> (first prompt position these entries describe, entries)
     prompt_logprobs: dict[str, tuple[int, list[list[tuple[int, float, int]]]]] = field(default_factory=dict)
+    # request id -> the greedy token after each of its rows (ModelInput.verify's sequences)
+    verified: dict[str, list[int]] = field(default_factory=dict)
 
 
 def resolve_max_model_len(config, max_model_len: int | None) -> int:
@@ -346,7 +348,7 @@ class ModelRunner:
         loads = self.host_cache.take_loads() if self.host_cache is not None else None
         meta.kv_loads = loads
         sampling, sampled_rows = self.sampled(items)
-        output_rows = self._output_rows(sampled_rows, items, ids)
+        output_rows = None if batch.verify else self._output_rows(sampled_rows, items, ids)
         try:
             hidden = self.model(ids, positions, meta, output_rows=output_rows)
         finally:
@@ -370,6 +372,8 @@ class ModelRunner:
                 if s.wants_prompt_logprobs:
                     self._prompt_logprobs(s, hidden[row : row + s.num_new_tokens], out)
                 row += s.num_new_tokens
+            if batch.verify:
+                self._verify(items, batch.verify, hidden, out)
             if len(sampled_rows) != ids.shape[0]:
                 hidden = hidden[sampled_rows]
         if not sampling:
@@ -398,6 +402,22 @@ class ModelRunner:
                 res.top_logprobs[i],
             )
         return out
+
+    def _verify(self, items: list[ScheduledSequence], verify: frozenset[str], hidden: torch.Tensor,
+                out: RunnerOutput) -> None:
+        """The greedy token after every row of the verified sequences, as the sampler's argmax
+        would give it for each row alone (the same logits head, the same argmax, in the model's
+        dtype): several rows of one sequence, as prompt logprobs read them."""
+        rows, spans, row = [], [], 0
+        for s in items:
+            if s.request_id in verify:
+                spans.append((s.request_id, len(rows), s.num_new_tokens))
+                rows.extend(range(row, row + s.num_new_tokens))
+            row += s.num_new_tokens
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        tokens = greedy_tokens(logits.cpu()).tolist()
+        for rid, first, n in spans:
+            out.verified[rid] = tokens[first : first + n]
 
     def burst_fits(self, num_decodes: int) -> bool:
         """Whether execute_burst can run this many decodes here (asked before their pages are

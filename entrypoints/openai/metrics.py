@@ -89,6 +89,17 @@ class _EngineCollector(Collector):
             by_space.add_metric([self._model, name], n)
         yield by_space
         yield counter("num_preemptions", "Preemptions of running sequences.", s.num_preemptions)
+        sp = s.speculative
+        if sp:  # speculative decoding (n-gram drafts)
+            yield counter("spec_decode_num_drafts", "Draft chunks verified.", sp["spec_drafts"])
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", sp["spec_draft_tokens"])
+            yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", sp["spec_accepted_tokens"])
+            per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted at each draft position.",
+                                          labels=["model_name", "position"])
+            for i, n in enumerate(sp["spec_accepted_per_position"]):
+                per_pos.add_metric([self._model, str(i)], n)
+            yield per_pos
         yield gauge("prefix_cache_locks", "Prefix-cache locks held by requests (0 when idle).", s.num_lock_receipts)
         if s.max_queued_requests is not None:
             yield gauge("max_queued_requests", "Sequences that may wait for admission before adds get 503.",

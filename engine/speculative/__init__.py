@@ -1,0 +1,1 @@
+"""Speculative decoding: drafts proposed cheaply, verified in one forward (greedy, exact)."""

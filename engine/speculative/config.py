@@ -1,0 +1,86 @@
+"""SpeculativeConfig: vLLM's `speculative_config`, validated before the model loads.
+
+Only the n-gram (prompt-lookup) drafter exists: it needs no second model, and on copy-heavy
+outputs (quoting, code edits, summaries that reuse phrases) its drafts are often right. Whatever
+this engine cannot yet verify exactly is refused here or in check_speculation, not ignored: a
+silently dropped flag would hide that outputs are decoded without it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """None (off), a dict or its JSON (the CLI's --speculative-config): checked in full."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or its JSON, got {type(value).__name__}")
+        value = dict(value)
+        method = value.get("method")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config method {method!r} is not supported; supported: {list(METHODS)} "
+                             "(n-gram prompt lookup; draft models and MTP are not implemented)")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo, hi = 1, 3
+        elif lo is None:
+            lo = 1
+        elif hi is None:
+            hi = lo
+        for name, v in (("num_speculative_tokens", value.get("num_speculative_tokens")),
+                        ("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config[{name!r}] must be an integer >= 1, got {v!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
+        return cls(method, value["num_speculative_tokens"], lo, hi)
+
+
+def speculation_config(config, space_specs, hisparse) -> "SpeculativeConfig | None":
+    """EngineConfig.speculative_config parsed and checked against the model's spaces (None: off)."""
+    spec = SpeculativeConfig.parse(config.speculative_config)
+    if spec is not None:
+        check_speculation(spec, config, space_specs, hisparse)
+    return spec
+
+
+def check_speculation(spec: SpeculativeConfig, config, space_specs, hisparse) -> None:
+    """Refuse, before the weights load, what verification does not handle yet.
+
+    A rejected draft's K/V is simply overwritten later, which holds for whole-history full
+    attention only: a sliding-window space would release pages past the accepted length and a
+    compressed space (C4/C128, their states) pools rejected tokens into its entries. Tiers below
+    the device copy pages as they are computed, HiSparse keeps per-step hot buffers, and the
+    tensor-parallel workers run no verification path."""
+    odd = sorted({s.name for s in space_specs if s.window is not None or s.tokens_per_slot != 1 or s.ring})
+    if odd:
+        raise ValueError(f"speculative_config needs a model whose KV spaces are all whole-history full attention "
+                         f"(Llama, Qwen); this one has windowed or compressed spaces {odd}")
+    if config.enable_hierarchical_cache or config.hicache_storage_backend is not None:
+        raise ValueError("speculative_config is not supported with the host/storage tiers "
+                         "(enable_hierarchical_cache, hicache_storage_backend) yet")
+    if config.enable_hisparse or hisparse is not None:
+        raise ValueError("speculative_config is not supported with HiSparse yet")
+    if config.tensor_parallel_size > 1:
+        raise ValueError("speculative_config is not supported with tensor_parallel_size > 1 yet")

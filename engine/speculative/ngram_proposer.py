@@ -1,0 +1,54 @@
+"""N-gram (prompt-lookup) drafting: the tokens that followed the last n tokens' most recent
+earlier occurrence in the request's prompt + output.
+
+Cost: each request keeps an index (NgramIndex) from every n-gram (prompt_lookup_min..max) to
+the position of its latest earlier end. A step indexes only the tokens appended since the last
+one (a few dict writes per token and n) and looks up at most max-min+1 keys, so a lookup costs
+the same at any context length; the prompt is indexed once, at the request's first draft.
+"""
+from __future__ import annotations
+
+from hybridkv.engine.request import Request
+from hybridkv.engine.speculative.config import SpeculativeConfig
+from hybridkv.model_executor.sampler import plain_greedy
+
+
+class NgramIndex:
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.indexed = 0  # the n-grams ending before this position are recorded
+
+    def propose(self, toks: list[int], k: int) -> list[int]:
+        last = len(toks) - 1  # the suffix ending here is the query, not an earlier occurrence
+        for p in range(self.indexed, last):
+            for n, ends in self.ends.items():
+                if p + 1 >= n:
+                    ends[tuple(toks[p + 1 - n : p + 1])] = p  # later positions overwrite: the latest wins
+        self.indexed = max(self.indexed, last)
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if n > len(toks):
+                continue
+            p = self.ends[n].get(tuple(toks[len(toks) - n :]))
+            if p is not None:
+                return toks[p + 1 : p + 1 + k]
+        return []
+
+
+class NgramProposer:
+    def __init__(self, spec: SpeculativeConfig, max_model_len: int) -> None:
+        self.spec, self.max_model_len = spec, max_model_len
+
+    def propose(self, req: Request, budget: int) -> list[int]:
+        """Drafts for a decoding request (at most budget - 1 and what it may still generate after
+        the step's own token); [] for a request that does not sample by plain argmax (sampled,
+        constrained, penalised or with logprobs: those decode normally, which is exact)."""
+        if req.grammar is not None or not plain_greedy(req.params, req.num_output_tokens):
+            return []
+        k = min(self.spec.num_speculative_tokens, budget - 1, req.max_tokens - req.num_output_tokens - 1,
+                self.max_model_len - req.num_tokens - 1)
+        if k <= 0:
+            return []
+        if req.ngram_index is None:
+            req.ngram_index = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+        return req.ngram_index.propose(req.all_token_ids, k)
