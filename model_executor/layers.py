@@ -145,7 +145,9 @@ class SiluAndMulMLP(nn.Module):
             return self.down_proj.forward(projection.silu_and_mul(x))  # the lines below' bits, in one pass
         gate_up = projection(x)
         if self.is_silu and gate_up.is_cpu and gate_up.dtype in _FUSED_DTYPES and (ops := fused_ops()):
-            return self.down_proj.forward(ops.silu_and_mul(gate_up.view(-1, 2 * self.intermediate)).view(*x.shape[:-1], -1))
+            # The explicit width, not -1: a chunk that samples no row hands the last layer 0 rows.
+            return self.down_proj.forward(
+                ops.silu_and_mul(gate_up.view(-1, 2 * self.intermediate)).view(*x.shape[:-1], self.intermediate))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj.forward(self.act(gate) * up)
 
@@ -534,7 +536,8 @@ class WidenedLinearWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows <= self.skinny_rows and x.dtype == self.weight.dtype:
-            return self.skinny.skinny_linear(x.reshape(rows, -1), self.weight, self.bias).view(*x.shape[:-1], -1)
+            return self.skinny.skinny_linear(x.reshape(rows, x.shape[-1]), self.weight, self.bias).view(
+                *x.shape[:-1], self.weight.shape[0])
         if rows < self.min_rows:
             return F.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.float()

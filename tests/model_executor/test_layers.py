@@ -177,3 +177,18 @@ def test_an_untied_head_is_packed_once(tiny_ckpt):
     assert model._packed_logits is packed
     hidden = torch.randn(3, model.config.hidden_size)
     torch.testing.assert_close(model.compute_logits(hidden), hidden @ model.lm_head.weight.t(), rtol=1e-5, atol=1e-4)
+
+
+def test_a_prefill_chunk_that_samples_no_row_runs_in_bfloat16(tiny_ckpt):
+    """A middle prefill chunk samples nothing, so the last layer's MLP gets 0 rows: the fused
+    bfloat16 SiLU path must handle them (a -1 in a 0-element view is ambiguous), and the chunked
+    prompt gives the greedy tokens of the whole one."""
+    from hybridkv.entrypoints import LLM, SamplingParams
+
+    prompt = {"prompt_token_ids": list(range(5, 30))}
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    path = tiny_ckpt("llama")
+    whole = LLM(path, dtype="bfloat16", max_model_len=128).generate(prompt, greedy, use_tqdm=False)
+    chunked = LLM(path, dtype="bfloat16", max_model_len=128, max_num_batched_tokens=7).generate(prompt, greedy,
+                                                                                                use_tqdm=False)
+    assert chunked[0].outputs[0].token_ids == whole[0].outputs[0].token_ids
