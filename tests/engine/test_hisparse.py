@@ -15,10 +15,9 @@ Invariants checked:
 from __future__ import annotations
 
 import pytest
-import torch
 
+from hisparse_helpers import assert_same_outputs, generate_greedy, random_prompts
 from hybridkv.entrypoints import LLM, SamplingParams
-from prefix_hit_helpers import LOGPROB_ATOL, sampled_logprobs
 from tiny_deepseek_v4 import build_v4_checkpoint, single_thread
 
 V4_CONFIGS = {
@@ -45,23 +44,6 @@ def _one_thread():
         yield
 
 
-def _prompts(lengths, seed=0, vocab=200):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def _generate(llm: LLM, prompts, max_tokens: int):
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-
-
-def _same(got, want) -> None:
-    for g, w in zip(got, want):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids, "HiSparse changed the greedy tokens"
-        torch.testing.assert_close(torch.tensor(sampled_logprobs(g)), torch.tensor(sampled_logprobs(w)),
-                                   atol=LOGPROB_ATOL, rtol=0)
-
-
 KW = dict(dtype="float32", block_size=32, max_model_len=2048, max_num_seqs=4)
 
 
@@ -71,12 +53,12 @@ def test_long_mixed_batch_with_chunked_prefill_equals_hisparse_off(v4_path, name
     """Prompts up to 3,000 tokens (750 C4 entries, ~47x a 16-entry buffer), prefilled in
     512-token chunks, decoded side by side."""
     path = v4_path(name)
-    prompts = _prompts([3000, 90, 1200])
+    prompts = random_prompts([3000, 90, 1200])
     kw = dict(KW, max_model_len=3072, max_num_batched_tokens=512)
-    want = _generate(LLM(path, **kw), prompts, 20)
+    want = generate_greedy(LLM(path, **kw), prompts, 20)
     llm = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 16}, **kw)
-    got = _generate(llm, prompts, 20)
-    _same(got, want)
+    got = generate_greedy(llm, prompts, 20)
+    assert_same_outputs(got, want)
     st = llm.engine.runner.hot_buffers.stats
     assert st.loaded > 0 and st.handoffs == 3, st
     assert all(o.metrics["hisparse_hit_rate"] is not None for o in got)
@@ -86,38 +68,38 @@ def test_long_mixed_batch_with_chunked_prefill_equals_hisparse_off(v4_path, name
 def test_buffer_of_exactly_topk_and_buffer_that_holds_everything(v4_path, name):
     path = v4_path(name)
     topk = {"w16_topk8": 8, "w40_topk5": 5}[name]
-    prompts = _prompts([400, 130], seed=1)
-    want = _generate(LLM(path, **KW), prompts, 16)
+    prompts = random_prompts([400, 130], seed=1)
+    want = generate_greedy(LLM(path, **KW), prompts, 16)
     tight = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": topk}, **KW)
-    _same(_generate(tight, prompts, 16), want)
+    assert_same_outputs(generate_greedy(tight, prompts, 16), want)
     st = tight.engine.runner.hot_buffers.stats
     assert st.loaded > st.lookups // 4, f"a buffer of top-k should miss often: {st}"
     roomy = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 128}, **KW)
-    _same(_generate(roomy, prompts, 16), want)
+    assert_same_outputs(generate_greedy(roomy, prompts, 16), want)
     st = roomy.engine.runner.hot_buffers.stats
     assert st.loaded == 0 and st.hits == st.lookups > 0, f"every entry fits: nothing may be loaded: {st}"
 
 
 def test_prefix_hit_then_decode_equals_hisparse_off(v4_path):
     path = v4_path("w16_topk8")
-    base = _prompts([320], seed=2)[0]
-    longer = base + _prompts([70], seed=3)[0]
+    base = random_prompts([320], seed=2)[0]
+    longer = base + random_prompts([70], seed=3)[0]
     ref = LLM(path, enable_prefix_caching=False, **KW)
-    want = [_generate(ref, [base], 12)[0], _generate(ref, [longer], 12)[0]]
+    want = [generate_greedy(ref, [base], 12)[0], generate_greedy(ref, [longer], 12)[0]]
     llm = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 12}, **KW)
-    first = _generate(llm, [base], 12)[0]
-    second = _generate(llm, [longer], 12)[0]
+    first = generate_greedy(llm, [base], 12)[0]
+    second = generate_greedy(llm, [longer], 12)[0]
     assert second.num_cached_tokens >= 288, "the second prompt should hit the first's cached pages"
-    _same([first, second], want)
+    assert_same_outputs([first, second], want)
 
 
 def test_preemption_equals_hisparse_off(v4_path):
     """A device budget that holds about two of the four sequences: requests are preempted (their
     hot-buffer rows released) and resume with a fresh hand-off."""
     path = v4_path("w16_topk8")
-    prompts = _prompts([300, 280, 260, 240], seed=4)
+    prompts = random_prompts([300, 280, 260, 240], seed=4)
     kw = dict(KW, max_model_len=384, max_num_batched_tokens=64)
-    want = _generate(LLM(path, **kw), prompts, 40)
+    want = generate_greedy(LLM(path, **kw), prompts, 40)
     # Windowed spaces: 10 pages (3 decoding x 2 + one 64-token chunk with its window, 4) of swa +
     # state_c4 + state_c128 (32,768 B each); hot buffers 11,840 B (4 rows x 10 entries of 128 B
     # and a null slot per CSA layer, 1,344 B of slot tables); the device spaces' null pages
@@ -125,9 +107,9 @@ def test_preemption_equals_hisparse_off(v4_path):
     llm = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 10}, kv_cache_memory_bytes=405_288,
               **kw)
     assert llm.engine.kv.spaces["indexer"].num_pages == 24
-    got = _generate(llm, prompts, 40)
+    got = generate_greedy(llm, prompts, 40)
     assert llm.engine.scheduler.num_preemptions > 0, "the budget forced no preemption"
-    _same(got, want)
+    assert_same_outputs(got, want)
 
 
 def test_equal_device_budget_gives_more_device_pages_and_the_mirror_bounds_c4(v4_path):
@@ -169,7 +151,7 @@ def test_metrics_report_hit_rate_loads_and_mirror_use(v4_path):
 
     path = v4_path("w16_topk8")
     llm = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 8}, **KW)
-    out = _generate(llm, _prompts([200], seed=5), 10)[0]
+    out = generate_greedy(llm, random_prompts([200], seed=5), 10)[0]
     st = llm.engine.runner.hot_buffers.stats
     assert out.metrics["hisparse_lookups"] == st.lookups > 0
     assert out.metrics["hisparse_hit_rate"] == pytest.approx(st.hits / st.lookups)
@@ -185,7 +167,7 @@ def test_abort_mid_decode_releases_the_row_and_leaves_the_others_unchanged(v4_pa
     emptied) at once, a request that starts later reuses it with a fresh hand-off, and the
     surviving requests' tokens are those of a run without the aborted one."""
     path = v4_path("w16_topk8")
-    a, b, late = _prompts([300, 220, 180], seed=7)
+    a, b, late = random_prompts([300, 220, 180], seed=7)
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want = {o.request_id: o.outputs[0].token_ids for o in
             LLM(path, **KW).generate([{"prompt_token_ids": p} for p in (a, late)], sp, use_tqdm=False)}
@@ -221,18 +203,18 @@ def test_hisparse_with_the_host_tier_equals_both_off(v4_path):
     prompt over it is loaded back layer by layer and decodes through the hot buffers; outputs
     equal the run with neither."""
     path = v4_path("w16_topk8")
-    base = _prompts([320], seed=4)[0]
-    longer = base + _prompts([70], seed=5)[0]
+    base = random_prompts([320], seed=4)[0]
+    longer = base + random_prompts([70], seed=5)[0]
     ref = LLM(path, enable_prefix_caching=False, **KW)
-    want = [_generate(ref, [base], 12)[0], _generate(ref, [longer], 12)[0]]
+    want = [generate_greedy(ref, [base], 12)[0], generate_greedy(ref, [longer], 12)[0]]
     llm = LLM(path, enable_hisparse=True, hisparse_config={"hot_buffer_size": 12}, enable_hierarchical_cache=True,
               **KW)
-    first = _generate(llm, [base], 12)[0]
+    first = generate_greedy(llm, [base], 12)[0]
     kv = llm.engine.kv
     for name, space in kv.spaces.items():
         kv.index.evict(name, space.num_pages)
     llm.engine.executor.flush_copies()
-    second = _generate(llm, [longer], 12)[0]
+    second = generate_greedy(llm, [longer], 12)[0]
     assert second.metrics["prompt_tokens_from_host"] >= 288, second.metrics
-    _same([first, second], want)
+    assert_same_outputs([first, second], want)
     assert llm.engine.runner.hot_buffers.num_active == 0

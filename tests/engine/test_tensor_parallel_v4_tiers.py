@@ -13,11 +13,11 @@ Invariants checked:
 from __future__ import annotations
 
 import pytest
-import torch
 
+from hisparse_helpers import assert_same_outputs, generate_greedy, random_prompts
 from host_tier_helpers import assert_host_hit_at_every_boundary
-from hybridkv.entrypoints import LLM, SamplingParams
-from prefix_hit_helpers import LOGPROB_ATOL, run_one, sampled_logprobs
+from hybridkv.entrypoints import LLM
+from prefix_hit_helpers import run_one
 from tiny_deepseek_v4 import build_v4_checkpoint, single_thread
 from tp_helpers import shut_down  # noqa: F401 - a fixture
 
@@ -30,37 +30,20 @@ def v4(tmp_path_factory) -> str:
         return build_v4_checkpoint(str(tmp_path_factory.mktemp("v4tp_tiers")))
 
 
-def _prompts(lengths, seed=0, vocab=200):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def _generate(llm: LLM, prompts, max_tokens: int):
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-
-
-def _same(got, want) -> None:
-    for g, w in zip(got, want):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids, "tokens differ from one process without the tier"
-        torch.testing.assert_close(torch.tensor(sampled_logprobs(g)), torch.tensor(sampled_logprobs(w)),
-                                   atol=LOGPROB_ATOL, rtol=0)
-
-
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["experts-split", "expert-parallel"])
 def test_hisparse_with_two_ranks_equals_one_process_without_it(v4, shut_down, expert_parallel):
-    base = _prompts([300], seed=2)[0]
-    prompts = [base, base + _prompts([60], seed=3)[0], *_prompts([280, 260], seed=4)]
+    base = random_prompts([300], seed=2)[0]
+    prompts = [base, base + random_prompts([60], seed=3)[0], *random_prompts([280, 260], seed=4)]
     with single_thread():
-        want = _generate(LLM(v4, **KW), prompts[:1], 24) + _generate(LLM(v4, **KW), prompts[1:], 24)
+        want = generate_greedy(LLM(v4, **KW), prompts[:1], 24) + generate_greedy(LLM(v4, **KW), prompts[1:], 24)
     # The device budget of test_hisparse's preemption case: about two sequences' whole-history pages.
     llm = LLM(v4, enable_hisparse=True, hisparse_config={"hot_buffer_size": 10}, kv_cache_memory_bytes=405_288,
               tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **KW)
     shut_down(llm)
-    got = _generate(llm, prompts[:1], 24) + _generate(llm, prompts[1:], 24)
+    got = generate_greedy(llm, prompts[:1], 24) + generate_greedy(llm, prompts[1:], 24)
     assert got[1].num_cached_tokens >= 288, "the second prompt should hit the first one's pages"
     assert llm.engine.scheduler.num_preemptions > 0, "the budget forced no preemption"
-    _same(got, want)
+    assert_same_outputs(got, want, "tokens differ from one process without the tier")
     assert llm.engine.hisparse_stats()
     idle = {"hot_buffer_rows": 0, "hot_buffer_requests_counted": 0, "pending_load_backs": 0}
     states = llm.engine.runner.rank_states()
@@ -72,7 +55,7 @@ def test_host_tier_hit_at_every_boundary_with_two_ranks(v4, shut_down):
     kw = dict(dtype="float32", block_size=32, max_model_len=256, max_num_seqs=2)
     with single_thread():
         ref = LLM(v4, enable_prefix_caching=False, **kw)
-        prompt = _prompts([100], seed=5)[0]
+        prompt = random_prompts([100], seed=5)[0]
         want = run_one(ref, prompt, 16)
     llm = LLM(v4, enable_hierarchical_cache=True, tensor_parallel_size=2, **kw)
     shut_down(llm)
