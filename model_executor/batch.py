@@ -54,3 +54,25 @@ class ModelInput:
     # Speculative decoding: sequences whose every row gets its greedy token (the last accepted
     # token and its drafts, verified in one forward); they sample nothing else.
     verify: frozenset[str] = frozenset()
+
+
+def verify_rows(sequences: list[ScheduledSequence], verify: frozenset[str]) -> list[ScheduledSequence]:
+    """The step's sequences with each verified chunk (a decoding request's last token and its
+    drafts at positions start..end-1) split into one-token decodes, one per position, in order.
+
+    Row j then runs as the decode of position start + j over the context up to it: every layer
+    writes all rows' K/V before attending, so it reads the earlier drafts' K/V as a decode step
+    after accepting them would, through the same paged decode kernel (and the fused decode path)
+    whose bits plain decoding produces. A verify step thus costs about one decode step of k+1 rows
+    instead of a prefill chunk's path, and its greedy tokens are the ones one-token decoding gives."""
+    if not verify:
+        return sequences
+    out: list[ScheduledSequence] = []
+    for s in sequences:
+        if s.request_id not in verify:
+            out.append(s)
+            continue
+        for j, tok in enumerate(s.token_ids):
+            out.append(ScheduledSequence(s.request_id, [tok], s.start + j, s.start + j + 1, False, s.params,
+                                         s.generator, s.prompt_token_ids, s.output_token_ids))
+    return out

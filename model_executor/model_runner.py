@@ -29,7 +29,7 @@ from hybridkv.model_executor.host_kv_cache import HostKVCache
 from hybridkv.model_executor.heap_retention import release_free_heap, retain_freed_heap
 from hybridkv.model_executor.huge_pages import move_parameters_to_huge_pages
 from hybridkv.block_manager.space_spec import NULL_PAGE, SpaceSpec
-from hybridkv.model_executor.batch import ModelInput, ScheduledSequence
+from hybridkv.model_executor.batch import ModelInput, ScheduledSequence, verify_rows
 from hybridkv.model_executor.checkpoint import iter_weights, load_config, resolve_dtype, weight_files
 from hybridkv.model_executor.init_modes import SkipRandomInit
 from hybridkv.model_executor.layers import packed_copy_serves_every_input
@@ -334,7 +334,7 @@ class ModelRunner:
         deferred to the layers that read them), then the forward and sampling."""
         if self.host_cache is not None:
             self.run_copies(plan.copies, defer_loads=True)
-        items, num_decodes = self.decodes_first(batch.sequences)
+        items, num_decodes = self.decodes_first(verify_rows(batch.sequences, batch.verify))
         seqs = self.step_sequences(items, plan, num_decodes)
         meta = self.model.build_attention_metadata(seqs, self.windows, self.layout.page_size)
         if self.debug_checks:
@@ -407,17 +407,21 @@ class ModelRunner:
                 out: RunnerOutput) -> None:
         """The greedy token after every row of the verified sequences, as the sampler's argmax
         would give it for each row alone (the same logits head, the same argmax, in the model's
-        dtype): several rows of one sequence, as prompt logprobs read them."""
-        rows, spans, row = [], [], 0
+        dtype). A verified request's rows are its one-token entries of `items` (verify_rows), in
+        position order."""
+        rows_of: dict[str, list[int]] = {}
+        row = 0
         for s in items:
             if s.request_id in verify:
-                spans.append((s.request_id, len(rows), s.num_new_tokens))
-                rows.extend(range(row, row + s.num_new_tokens))
+                rows_of.setdefault(s.request_id, []).extend(range(row, row + s.num_new_tokens))
             row += s.num_new_tokens
+        rows = [r for rs in rows_of.values() for r in rs]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
         tokens = greedy_tokens(logits.cpu()).tolist()
-        for rid, first, n in spans:
-            out.verified[rid] = tokens[first : first + n]
+        first = 0
+        for rid, rs in rows_of.items():
+            out.verified[rid] = tokens[first : first + len(rs)]
+            first += len(rs)
 
     def burst_fits(self, num_decodes: int) -> bool:
         """Whether execute_burst can run this many decodes here (asked before their pages are

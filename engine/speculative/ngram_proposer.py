@@ -14,10 +14,22 @@ from hybridkv.model_executor.sampler import plain_greedy
 
 
 class NgramIndex:
-    def __init__(self, min_n: int, max_n: int) -> None:
+    def __init__(self, min_n: int, max_n: int, max_drafts: int) -> None:
         self.min_n, self.max_n = min_n, max_n
         self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
         self.indexed = 0  # the n-grams ending before this position are recorded
+        self.max_drafts = max_drafts
+        self.draft_len = max_drafts  # this request's current draft length (adapt_draft_len)
+
+    def adapt_draft_len(self, proposed: int, accepted: int) -> None:
+        """After a verify: draft one more than was accepted when a draft was rejected, twice as
+        many when all were taken. Each draft row costs a query row of the verify step; on text the
+        drafts rarely predict (free answers) the draft shrinks to one token, which costs about
+        nothing beside the decode row, and it grows back as soon as copying starts."""
+        if accepted < proposed:
+            self.draft_len = accepted + 1
+        else:
+            self.draft_len = min(self.max_drafts, 2 * max(self.draft_len, proposed))
 
     def propose(self, toks: list[int], k: int) -> list[int]:
         last = len(toks) - 1  # the suffix ending here is the query, not an earlier occurrence
@@ -50,5 +62,6 @@ class NgramProposer:
         if k <= 0:
             return []
         if req.ngram_index is None:
-            req.ngram_index = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
-        return req.ngram_index.propose(req.all_token_ids, k)
+            req.ngram_index = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max,
+                                         self.spec.num_speculative_tokens)
+        return req.ngram_index.propose(req.all_token_ids, min(k, req.ngram_index.draft_len))

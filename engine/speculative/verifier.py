@@ -59,6 +59,7 @@ class Verifier:
         st["spec_accepted_tokens"] += a
         for i in range(a):
             st["spec_accepted_per_position"][i] += 1
+        req.ngram_index.adapt_draft_len(len(drafts), a)
         start, kept, status = req.num_computed_tokens, 0, None
         for tok in drafts[:a] + [greedy[a]]:
             kept += 1

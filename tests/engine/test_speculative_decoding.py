@@ -102,14 +102,32 @@ def test_preemption_with_speculation(tiny_ckpt):
 
 
 def test_ngram_index_proposes_the_latest_continuation():
-    idx = NgramIndex(1, 3)
+    idx = NgramIndex(1, 3, 4)
     toks = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
     assert idx.propose(toks, 3) == [7, 5, 1]  # the latest earlier "1 2 3" wins
     toks += [7, 5]
     assert idx.propose(toks, 4) == [1, 2, 3, 7]  # "3 7 5" at 6..8 (indexed incrementally)
-    assert NgramIndex(2, 2).propose([4, 5, 6], 2) == []
-    assert NgramIndex(1, 1).propose([4, 5, 4], 5) == [5, 4]  # fewer at the end
+    assert NgramIndex(2, 2, 4).propose([4, 5, 6], 2) == []
+    assert NgramIndex(1, 1, 4).propose([4, 5, 4], 5) == [5, 4]  # fewer at the end
     assert accepted_length([1, 2, 3], [1, 2, 4, 8]) == 2 and accepted_length([5], [6, 1]) == 0
+
+
+def test_draft_length_adapts_to_what_is_accepted():
+    """A rejection shrinks the next draft to one more than was accepted; a fully accepted draft
+    doubles it, never past num_speculative_tokens."""
+    idx = NgramIndex(1, 1, 6)
+    assert idx.draft_len == 6
+    idx.adapt_draft_len(6, 0)
+    assert idx.draft_len == 1
+    idx.adapt_draft_len(1, 1)
+    assert idx.draft_len == 2
+    idx.adapt_draft_len(2, 2)
+    idx.adapt_draft_len(4, 4)
+    assert idx.draft_len == 6  # capped
+    idx.adapt_draft_len(6, 2)
+    assert idx.draft_len == 3
+    toks = [1, 2, 3, 4, 5, 6, 7, 1]
+    assert idx.propose(toks, 3) == [2, 3, 4]
 
 
 def test_refused_settings_raise_before_the_model_loads(tiny_ckpt, monkeypatch):
