@@ -416,9 +416,9 @@ class KVCacheManager:
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Give back the request's pages past its first num_tokens tokens (speculative decoding:
-        the positions of rejected drafts). Only whole-history unwindowed spaces reach here (the
-        engine refuses speculation otherwise); pages past the computed tokens are never in the
-        prefix index, so they return to the free list."""
+        the positions of rejected drafts). Only raw-token spaces reach here (the engine refuses
+        speculation otherwise); pages past the computed tokens are never in the prefix index, so
+        they return to the free list, and a window released only pages behind them."""
         req = self._requests[request_id]
         for name, tokens_per_slot, entries_per_page, space in self._layout:
             keep = -(-(num_tokens // tokens_per_slot) // entries_per_page)

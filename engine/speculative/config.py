@@ -68,15 +68,16 @@ def speculation_config(config, space_specs, hisparse) -> "SpeculativeConfig | No
 def check_speculation(spec: SpeculativeConfig, config, space_specs, hisparse) -> None:
     """Refuse, before the weights load, what verification does not handle yet.
 
-    A rejected draft's K/V is simply overwritten later, which holds for whole-history full
-    attention only: a sliding-window space would release pages past the accepted length and a
-    compressed space (C4/C128, their states) pools rejected tokens into its entries. Tiers below
-    the device copy pages as they are computed, HiSparse keeps per-step hot buffers, and the
-    tensor-parallel workers run no verification path."""
-    odd = sorted({s.name for s in space_specs if s.window is not None or s.tokens_per_slot != 1 or s.ring})
+    A rejected draft's K/V in a raw-token space (whole history or a sliding window) is given back
+    or overwritten later, and a window only releases pages behind the accepted tokens, so those
+    spaces roll back by truncation. A compressed space (C4/C128, their states, ring pages) pools
+    rejected tokens into its entries and has no rollback yet. Tiers below the device copy pages
+    as they are computed, HiSparse keeps per-step hot buffers, and the tensor-parallel workers
+    run no verification path."""
+    odd = sorted({s.name for s in space_specs if s.tokens_per_slot != 1 or s.ring or s.align != 1})
     if odd:
-        raise ValueError(f"speculative_config needs a model whose KV spaces are all whole-history full attention "
-                         f"(Llama, Qwen); this one has windowed or compressed spaces {odd}")
+        raise ValueError(f"speculative_config needs a model whose KV spaces hold raw tokens (full attention or a "
+                         f"sliding window: Llama, Qwen, Mistral, Gemma-3); this one has compressed spaces {odd}")
     if config.enable_hierarchical_cache or config.hicache_storage_backend is not None:
         raise ValueError("speculative_config is not supported with the host/storage tiers "
                          "(enable_hierarchical_cache, hicache_storage_backend) yet")
