@@ -32,11 +32,12 @@ def _params(n: int, max_tokens: int = 40, **kw) -> list[SamplingParams]:
     return [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw) for _ in range(n)]
 
 
-@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen3", "float32"), ("llama", "bfloat16")])
+@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen3", "float32")])
 def test_greedy_outputs_are_identical_with_speculation(tiny_ckpt, arch, dtype):
     """A batch of copy-friendly and random prompts, twice (the second pass hits the prefix
     cache), with prompts chunked by a small token budget: the tokens of plain greedy decoding.
-    In bfloat16 too: a verified row runs as the one-token decode of its position."""
+    (Not in bfloat16 here: the tiny widths' bf16 linears change kernel with the row count, so even
+    plain decoding's tokens depend on what shares the step.)"""
     path = tiny_ckpt(arch)
     kw = dict(dtype=dtype, max_model_len=256, max_num_batched_tokens=24, num_scheduler_steps=1)
     plain, spec = LLM(path, **kw), LLM(path, speculative_config=SPEC, **kw)
