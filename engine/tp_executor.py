@@ -305,7 +305,7 @@ class TensorParallelRunner:
 
     def execute(self, batch: ModelInput, plan: KVPlan) -> RunnerOutput:
         self.workers.broadcast(RunStep([worker_view(s) for s in batch.sequences],
-                                       step_plan(plan, batch, self.driver.layout.page_size)))
+                                       step_plan(plan, batch, self.driver.layout.page_size), batch.verify))
         with self.workers.watch():
             return self.driver.execute(batch, plan)
 

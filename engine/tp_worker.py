@@ -74,6 +74,9 @@ class RunStep:
 
     sequences: list[ScheduledSequence]
     plan: KVPlan
+    # speculative decoding's verified sequences: every rank splits them into the same decode rows
+    # and joins the same logits gather for their rows
+    verify: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -243,7 +246,7 @@ def serve(runner: ModelRunner, messages: dist.ProcessGroup) -> None:
         elif isinstance(message, BindHostCache):
             runner.bind_host_cache(message.host_pages, message.mem_layout)
         elif isinstance(message, RunStep):
-            runner.execute(ModelInput(message.sequences), message.plan)
+            runner.execute(ModelInput(message.sequences, verify=message.verify), message.plan)
         elif isinstance(message, RunCopies):
             runner.run_copies(message.copies)
         elif isinstance(message, Release):

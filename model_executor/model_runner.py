@@ -417,6 +417,8 @@ class ModelRunner:
             row += s.num_new_tokens
         rows = [r for rs in rows_of.values() for r in rs]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        if logits is None:  # a tensor-parallel rank other than 0: its columns went to rank 0
+            return
         tokens = greedy_tokens(logits.cpu()).tolist()
         first = 0
         for rid, rs in rows_of.items():

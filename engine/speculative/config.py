@@ -71,17 +71,12 @@ def check_speculation(spec: SpeculativeConfig, config, space_specs, hisparse) ->
     A rejected draft's K/V in a raw-token space (whole history or a sliding window) is given back
     or overwritten later, and a window only releases pages behind the accepted tokens, so those
     spaces roll back by truncation. A compressed space (C4/C128, their states, ring pages) pools
-    rejected tokens into its entries and has no rollback yet. Tiers below the device copy pages
-    as they are computed, HiSparse keeps per-step hot buffers, and the tensor-parallel workers
-    run no verification path."""
+    rejected tokens into its entries and has no rollback yet. The host and storage tiers copy only
+    published pages (whole pages of accepted tokens), so they need nothing more; every
+    tensor-parallel rank splits the verified rows the same way (tp_worker.RunStep.verify)."""
     odd = sorted({s.name for s in space_specs if s.tokens_per_slot != 1 or s.ring or s.align != 1})
     if odd:
         raise ValueError(f"speculative_config needs a model whose KV spaces hold raw tokens (full attention or a "
                          f"sliding window: Llama, Qwen, Mistral, Gemma-3); this one has compressed spaces {odd}")
-    if config.enable_hierarchical_cache or config.hicache_storage_backend is not None:
-        raise ValueError("speculative_config is not supported with the host/storage tiers "
-                         "(enable_hierarchical_cache, hicache_storage_backend) yet")
     if config.enable_hisparse or hisparse is not None:
         raise ValueError("speculative_config is not supported with HiSparse yet")
-    if config.tensor_parallel_size > 1:
-        raise ValueError("speculative_config is not supported with tensor_parallel_size > 1 yet")
