@@ -64,6 +64,9 @@ class HybridLayout:
     window: int  # sliding window (keys [pos - window + 1, pos])
     csa_ratio: int | None  # None when the model has no CSA layer
     hca_ratio: int | None  # None when the model has no HCA layer
+    # State space -> its ring (SpaceSpec.ring) where it is wider than one window's rows:
+    # speculative decoding keeps the rows its rejected drafts may overwrite (draft_space_specs).
+    state_rings: dict[str, int] | None = None
 
     def compressed_spaces(self) -> dict[str, int]:
         """Compressed space -> tokens per slot."""
@@ -310,7 +313,8 @@ def _plan(seqs: StepSequences, layout: HybridLayout, kind: str, out_spaces: list
     P = layout.page_size
     ratio, overlap, space = layout.compressors()[kind]
     rows = (2 if overlap else 1) * ratio
-    spp = min(rows, P)  # the ring (SpaceSpec.slots_per_page of the state space)
+    ring = (layout.state_rings or {}).get(space, rows)
+    spp = min(ring, P)  # the ring (SpaceSpec.slots_per_page of the state space)
     state = seqs.block_tables[space]
     # The ring keeps the rows a later window may still read: each sequence's last `rows`, and
     # each page's last `rows` (a page end is where a prefix hit resumes, from a cached page

@@ -173,7 +173,7 @@ class EngineConfig:
             HiSparseConfig.parse(self.hisparse_config)  # a bad config fails before the model loads
         spec = SpeculativeConfig.parse(self.speculative_config)  # the model's spaces are checked at load
         if spec is not None:
-            check_speculation(spec, self, [], None)
+            check_speculation(spec, self, [])
         if KVEventsConfig.parse(self.kv_events_config) is not None and not self.enable_prefix_caching:
             raise ValueError("kv_events_config reports the prefix cache's pages: set enable_prefix_caching=True")
 

@@ -79,11 +79,10 @@ class LLMEngine:
         # load (config.json, on the meta device): a budget too small fails in a second.
         skeleton = model_skeleton(model_dir, config.dtype, config.max_model_len, device, config.attention_backend,
                                   parallel)
-        specs = skeleton.specs
         self.max_model_len = skeleton.max_model_len
+        self.speculative, specs = speculation_config(config, skeleton.specs)  # refused before the weights load
         memory = plan_kv_memory(config, specs, skeleton.model, self.max_model_len)
         self.block_size, self.hisparse = memory.block_size, memory.hisparse
-        self.speculative = speculation_config(config, specs, self.hisparse)  # refused before the weights load
 
         if parallel is None:
             self.runner: ModelRunner | TensorParallelRunner = ModelRunner(
@@ -93,9 +92,9 @@ class LLMEngine:
             )
         else:  # rank 0's shard here, the others in worker processes (engine/tp_executor.py)
             self.runner = start_tensor_parallel(config, model_dir, device, skeleton)
-        if self.runner.space_specs() != specs:  # a model whose spaces depend on its weights: a bug
+        if self.runner.space_specs() != skeleton.specs:  # a model whose spaces depend on its weights: a bug
             raise RuntimeError(f"the loaded model's block spaces {self.runner.space_specs()} differ from the "
-                               f"ones planned from its config {specs}")
+                               f"ones planned from its config {skeleton.specs}")
         self.tokenizer = load_tokenizer(model_dir)
         self.generation_defaults = load_generation_config(model_dir)
         self.eos_token_ids = set(self.generation_defaults.eos_token_ids)

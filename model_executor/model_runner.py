@@ -334,7 +334,8 @@ class ModelRunner:
         deferred to the layers that read them), then the forward and sampling."""
         if self.host_cache is not None:
             self.run_copies(plan.copies, defer_loads=True)
-        items, num_decodes = self.decodes_first(verify_rows(batch.sequences, batch.verify))
+        verify = batch.verify if self.model.verify_rows_as_decodes else frozenset()
+        items, num_decodes = self.decodes_first(verify_rows(batch.sequences, verify))
         seqs = self.step_sequences(items, plan, num_decodes)
         meta = self.model.build_attention_metadata(seqs, self.windows, self.layout.page_size)
         if self.debug_checks:

@@ -8,7 +8,9 @@ silently dropped flag would hide that outputs are decoded without it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from hybridkv.block_manager.space_spec import SpaceSpec
 
 METHODS = ("ngram",)
 
@@ -57,26 +59,43 @@ class SpeculativeConfig:
         return cls(method, value["num_speculative_tokens"], lo, hi)
 
 
-def speculation_config(config, space_specs, hisparse) -> "SpeculativeConfig | None":
-    """EngineConfig.speculative_config parsed and checked against the model's spaces (None: off)."""
+def speculation_config(config, space_specs: list[SpaceSpec]) -> tuple["SpeculativeConfig | None", list[SpaceSpec]]:
+    """EngineConfig.speculative_config parsed and checked against the model's spaces (None: off),
+    and the spaces as the engine must size them for it (draft_space_specs)."""
     spec = SpeculativeConfig.parse(config.speculative_config)
-    if spec is not None:
-        check_speculation(spec, config, space_specs, hisparse)
-    return spec
+    if spec is None:
+        return None, space_specs
+    check_speculation(spec, config, space_specs)
+    return spec, draft_space_specs(spec, space_specs)
 
 
-def check_speculation(spec: SpeculativeConfig, config, space_specs, hisparse) -> None:
+def draft_space_specs(spec: SpeculativeConfig, space_specs: list[SpaceSpec]) -> list[SpaceSpec]:
+    """A ring space (a compressor's state rows, DeepSeek-V4) widened by k slots. A verify step
+    writes the rows of its k drafts before it knows which it keeps; in a ring of one window's N
+    rows a rejected draft's row would overwrite the row N positions back, which the next windows
+    still read. With N + k slots every row a later window reads survives any rejection (SGLang
+    sizes these rings likewise: C4 8 -> 16 rows, C128 128 -> 256)."""
+    k = spec.num_speculative_tokens
+    return [replace(s, ring=s.ring + k) if s.ring is not None else s for s in space_specs]
+
+
+def check_speculation(spec: SpeculativeConfig, config, space_specs: list[SpaceSpec]) -> None:
     """Refuse, before the weights load, what verification does not handle yet.
 
-    A rejected draft's K/V in a raw-token space (whole history or a sliding window) is given back
-    or overwritten later, and a window only releases pages behind the accepted tokens, so those
-    spaces roll back by truncation. A compressed space (C4/C128, their states, ring pages) pools
-    rejected tokens into its entries and has no rollback yet. The host and storage tiers copy only
-    published pages (whole pages of accepted tokens), so they need nothing more; every
-    tensor-parallel rank splits the verified rows the same way (tp_worker.RunStep.verify)."""
-    odd = sorted({s.name for s in space_specs if s.tokens_per_slot != 1 or s.ring or s.align != 1})
-    if odd:
-        raise ValueError(f"speculative_config needs a model whose KV spaces hold raw tokens (full attention or a "
-                         f"sliding window: Llama, Qwen, Mistral, Gemma-3); this one has compressed spaces {odd}")
-    if config.enable_hisparse or hisparse is not None:
+    Every space rolls back: a rejected draft's K/V in a raw-token space (whole history or a
+    sliding window) is given back with its pages or overwritten later, and a window only releases
+    pages behind the accepted tokens. A compressed space's entry that a rejected draft closed
+    (C4/C128, the indexer's keys) is read by no query before an accepted token closes the same
+    window again and overwrites it; the compressors' state rows survive in rings widened for the
+    draft (draft_space_specs). The host and storage tiers copy only published pages (whole pages
+    of accepted tokens); every tensor-parallel rank runs the verified rows alike
+    (tp_worker.RunStep.verify). HiSparse's hot buffers would take in entries of rejected drafts."""
+    if config.enable_hisparse:
         raise ValueError("speculative_config is not supported with HiSparse yet")
+    k = spec.num_speculative_tokens
+    # A verify chunk writes all its rows to the ring only if it fits one window (its last rows are kept)
+    short = sorted(f"{s.name} ({s.window} rows)" for s in space_specs if s.ring is not None and k + 1 > s.window)
+    if short:
+        raise ValueError(f"speculative_config num_speculative_tokens={k}: a verify step's {k + 1} rows must fit "
+                         f"the compressor state window of {', '.join(short)}; use at most "
+                         f"{min(s.window for s in space_specs if s.ring is not None) - 1}")

@@ -41,6 +41,10 @@ class CausalLM(nn.Module):
     supports_expert_parallel: bool = False
     # Whether that shard's layout slices block-quantized (FP8 / MXFP4) weights with their scales.
     supports_quantized_shards: bool = False
+    # Speculative decoding: whether a verified chunk (a token and its drafts) may run as one-token
+    # decodes of consecutive positions (model_executor/batch.verify_rows), which needs every layer
+    # to write all rows' cache entries before any row reads them. False: it runs as one chunk.
+    verify_rows_as_decodes: bool = True
 
     @classmethod
     def cpu_kernel_loaders(cls, dtype: torch.dtype) -> list[Callable[[], object]]:

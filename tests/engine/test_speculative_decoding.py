@@ -171,21 +171,6 @@ def test_refused_settings_raise_before_the_model_loads(tiny_ckpt, monkeypatch):
         EngineConfig(speculative_config=SPEC, enable_hisparse=True)
 
 
-
-def test_v4_compressed_spaces_are_refused_before_the_model_loads(tmp_path, monkeypatch):
-    from tiny_deepseek_v4 import build_v4_checkpoint
-
-    import hybridkv.engine.llm_engine as llm_engine
-
-    def no_load(*a, **k):
-        raise AssertionError("the model was loaded")
-
-    path = build_v4_checkpoint(str(tmp_path / "v4"))
-    monkeypatch.setattr(llm_engine, "ModelRunner", no_load)
-    with pytest.raises(ValueError, match="compressed spaces"):
-        LLM(path, max_model_len=128, speculative_config=SPEC)
-
-
 def test_truncate_returns_the_pages_of_rejected_positions_and_publishes_none():
     """KVCacheManager.truncate: pages past the accepted tokens go back to the free list, the
     block table shrinks with them, and only whole pages of accepted tokens are ever published."""

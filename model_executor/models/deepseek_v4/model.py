@@ -71,6 +71,9 @@ class DeepseekV4ForCausalLM(CausalLM):
     supports_tensor_parallel = True
     supports_expert_parallel = True
     supports_quantized_shards = True
+    # A compressor pools a closing window's rows before it writes the step's rows to its ring, so
+    # a verified token and its drafts run as one chunk (their rows come from the step itself).
+    verify_rows_as_decodes = False
 
     @classmethod
     def cpu_kernel_loaders(cls, dtype: torch.dtype) -> list:
@@ -101,6 +104,7 @@ class DeepseekV4ForCausalLM(CausalLM):
                                     for i in range(cfg.num_layers))
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
         self.hot_buffers: HotBuffers | None = None  # HiSparse, allocated by allocate_kv_cache when enabled
+        self.state_rings: dict[str, int] | None = None  # set by allocate_kv_cache (HybridLayout.state_rings)
         self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size if parallel is None else self.sharding.vocab.padded,
                               bias=False)
@@ -158,6 +162,7 @@ class DeepseekV4ForCausalLM(CausalLM):
             page_size, cfg.sliding_window,
             cfg.csa_ratio if cfg.num_csa_layers else None,
             cfg.hca_ratio if cfg.num_hca_layers else None,
+            self.state_rings,
         )
 
     def allocate_kv_cache(
@@ -177,6 +182,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         there too (auxiliary_kv_tensors). Every other space is on `device`."""
         device = torch.device(device)
         shape = layout.hot_buffers
+        # the rings as the block manager sized them (wider than a window with speculative decoding)
+        self.state_rings = {name: spec.ring for name, spec in layout.specs.items() if spec.ring is not None}
         if layout.host_spaces - {C4} or (C4 in layout.host_spaces and shape is None):
             raise ValueError(f"DeepSeek-V4 reads only its c4 space from host memory, through HiSparse's hot buffers "
                              f"(host spaces {sorted(layout.host_spaces)}, hot buffers {shape})")
