@@ -89,9 +89,9 @@ def check_speculation(spec: SpeculativeConfig, config, space_specs: list[SpaceSp
     window again and overwrites it; the compressors' state rows survive in rings widened for the
     draft (draft_space_specs). The host and storage tiers copy only published pages (whole pages
     of accepted tokens); every tensor-parallel rank runs the verified rows alike
-    (tp_worker.RunStep.verify). HiSparse's hot buffers would take in entries of rejected drafts."""
-    if config.enable_hisparse:
-        raise ValueError("speculative_config is not supported with HiSparse yet")
+    (tp_worker.RunStep.verify). HiSparse's hot buffers take in only decode rows' entries, and a
+    verified chunk is no decode: an entry a rejected draft closed reaches the host mirror alone,
+    where the accepted token's closing overwrites it before any query can select it."""
     k = spec.num_speculative_tokens
     # A verify chunk writes all its rows to the ring only if it fits one window (its last rows are kept)
     short = sorted(f"{s.name} ({s.window} rows)" for s in space_specs if s.ring is not None and k + 1 > s.window)

@@ -167,8 +167,6 @@ def test_refused_settings_raise_before_the_model_loads(tiny_ckpt, monkeypatch):
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
                                 '"prompt_lookup_max": 2}')
-    with pytest.raises(ValueError, match="HiSparse"):
-        EngineConfig(speculative_config=SPEC, enable_hisparse=True)
 
 
 def test_truncate_returns_the_pages_of_rejected_positions_and_publishes_none():

@@ -104,11 +104,25 @@ def test_two_ranks_with_speculation_match_one_process_without(v4, shut_down):
     _drafted(two)
 
 
-def test_drafts_longer_than_a_state_window_and_hisparse_are_refused(v4):
+@pytest.mark.parametrize("hot_buffer_size", [8, 12])
+def test_hisparse_hot_buffers_never_hold_a_rejected_drafts_entry(v4, hot_buffer_size):
+    """HiSparse with a hot buffer of top-k (every selection swaps) and 1.5x top-k: a verified
+    chunk's entries reach the host mirror only, and a rejected draft's entry is overwritten there
+    before any decode row can select it; two passes (prefix hits) give plain decoding's tokens."""
+    plain = LLM(v4, **KW)
+    prompts = _prompts(plain.engine.runner.config.vocab_size)
+    want = _tokens(plain, prompts)
+    spec = LLM(v4, speculative_config=SPEC, enable_hisparse=True, hisparse_config={"hot_buffer_size": hot_buffer_size},
+               **KW)
+    assert [_tokens(spec, prompts) for _ in range(2)] == [want, want]
+    _drafted(spec)
+    assert spec.engine.runner.hot_buffers.stats.handoffs > 0, "requests should decode from hot buffers"
+    assert spec.engine.runner.hot_buffers.num_active == 0
+
+
+def test_drafts_longer_than_a_state_window_are_refused(v4):
     with pytest.raises(ValueError, match="at most 7"):
         LLM(v4, speculative_config=dict(SPEC, num_speculative_tokens=8), **KW)
-    with pytest.raises(ValueError, match="HiSparse"):
-        LLM(v4, speculative_config=SPEC, enable_hisparse=True, **KW)
     specs = LLM(v4, **KW).engine.kv.specs.values()
     widened = draft_space_specs(SpeculativeConfig.parse(dict(SPEC, num_speculative_tokens=7)), list(specs))
     assert [s.ring for s in widened if s.ring] == [15, 23]
