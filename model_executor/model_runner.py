@@ -40,6 +40,7 @@ from hybridkv.model_executor.models.base import CausalLM
 from hybridkv.model_executor.models.registry import resolve_model_class
 from hybridkv.model_executor.parallel.shard_loader import iter_weight_shards
 from hybridkv.model_executor.parallel.state import TensorParallel
+from hybridkv.model_executor.rejection_sampler import DraftedSequence, sample_drafted
 from hybridkv.model_executor.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, greedy_tokens
 
 
@@ -75,7 +76,9 @@ class RunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     # request id -> (first prompt position these entries describe, entries)
     prompt_logprobs: dict[str, tuple[int, list[list[tuple[int, float, int]]]]] = field(default_factory=dict)
-    # request id -> the greedy token after each of its rows (ModelInput.verify's sequences)
+    # request id -> the model's token after each of its rows (ModelInput.verify's sequences), up
+    # to the first that differs from the next draft: every row's argmax for a greedy request; for
+    # a sampled one, its accepted drafts then the one token drawn after them (rejection_sampler.py)
     verified: dict[str, list[int]] = field(default_factory=dict)
 
 
@@ -406,25 +409,45 @@ class ModelRunner:
 
     def _verify(self, items: list[ScheduledSequence], verify: frozenset[str], hidden: torch.Tensor,
                 out: RunnerOutput) -> None:
-        """The greedy token after every row of the verified sequences, as the sampler's argmax
-        would give it for each row alone (the same logits head, the same argmax, in the model's
-        dtype). A verified request's rows are its one-token entries of `items` (verify_rows), in
-        position order."""
+        """The model's token after the rows of each verified request, whose rows are its entries of
+        `items` in position order (one chunk, or one-token decodes: verify_rows). A greedy request
+        gets the argmax after every row, as the sampler's would give it for each row alone (the same
+        logits head, the same argmax, in the model's dtype). A sampled one gets what speculative
+        sampling yields (rejection_sampler.py): its accepted drafts, then the one token drawn after
+        them."""
         rows_of: dict[str, list[int]] = {}
+        entries_of: dict[str, list[ScheduledSequence]] = {}
         row = 0
         for s in items:
             if s.request_id in verify:
                 rows_of.setdefault(s.request_id, []).extend(range(row, row + s.num_new_tokens))
+                entries_of.setdefault(s.request_id, []).append(s)
             row += s.num_new_tokens
         rows = [r for rs in rows_of.values() for r in rs]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
         if logits is None:  # a tensor-parallel rank other than 0: its columns went to rank 0
             return
-        tokens = greedy_tokens(logits.cpu()).tolist()
-        first = 0
+        logits = logits.cpu()
+        span_of, first = {}, 0  # request id -> its rows of `logits`
         for rid, rs in rows_of.items():
-            out.verified[rid] = tokens[first : first + len(rs)]
+            span_of[rid] = (first, first + len(rs))
             first += len(rs)
+        sampled = [rid for rid, entries in entries_of.items() if not entries[0].params.greedy]
+        if len(sampled) < len(rows_of):
+            tokens = greedy_tokens(logits).tolist()
+            for rid, (lo, hi) in span_of.items():
+                if entries_of[rid][0].params.greedy:
+                    out.verified[rid] = tokens[lo:hi]
+        if sampled:
+            seqs = []
+            for rid in sampled:
+                head = entries_of[rid][0]
+                inputs = [t for s in entries_of[rid] for t in s.token_ids]  # the last known token, then the drafts
+                seqs.append(DraftedSequence(head.params, head.generator, head.prompt_token_ids,
+                                            head.output_token_ids, inputs[1:]))
+            sampled_rows = torch.tensor([r for rid in sampled for r in range(*span_of[rid])])
+            for rid, tokens in zip(sampled, sample_drafted(logits[sampled_rows], seqs, self.sampler.default_generator)):
+                out.verified[rid] = tokens
 
     def burst_fits(self, num_decodes: int) -> bool:
         """Whether execute_burst can run this many decodes here (asked before their pages are

@@ -182,6 +182,18 @@ def plain_greedy(p: SamplingParams, num_output: int) -> bool:
             and not _min_tokens_active(p, num_output))
 
 
+def drafts_verifiable(p: SamplingParams, num_output: int) -> bool:
+    """Whether n-gram drafts for a row with num_output tokens so far can be verified exactly:
+    plain greedy rows by their argmax, random rows by speculative sampling (rejection_sampler.py),
+    whose row i reads the distribution after the first i drafts. Left out: rows whose
+    distribution or reported values depend on more than the logits and the filters (penalties,
+    min_tokens still active, logprobs, prompt logprobs, a grammar); they decode one token a step."""
+    if plain_greedy(p, num_output):
+        return True
+    return (not p.greedy and p.logprobs is None and p.prompt_logprobs is None and p.structured_outputs is None
+            and not _has_penalties(p) and not _min_tokens_active(p, num_output))
+
+
 def _apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
     """Forbid every stop token (EOS included) until the row has generated min_tokens tokens."""
     vocab = logits.shape[1]
@@ -322,13 +334,10 @@ def _filter_rows(
     return out
 
 
-def _sample_random_rows(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-    default_generator: torch.Generator,
-) -> torch.Tensor:
-    """Sample one token per row of ``logits`` [N, V] (already penalised) for non-greedy rows."""
+def random_row_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each non-greedy row of ``logits`` [N, V] (already penalised) samples from:
+    temperature, then min_p, top_k and top_p, then softmax. Speculative sampling
+    (rejection_sampler.py) verifies drafts against these same probabilities."""
     device, vocab = logits.device, logits.shape[1]
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
     logits = logits / temps.unsqueeze(1)
@@ -337,8 +346,18 @@ def _sample_random_rows(
     logits = _filter_rows(logits, [p.min_p if p.min_p > 0.0 else None for p in params], _apply_min_p)
     logits = _filter_rows(logits, [p.top_k if 0 < p.top_k < vocab else None for p in params], _apply_top_k)
     logits = _filter_rows(logits, [p.top_p if p.top_p < 1.0 else None for p in params], _apply_top_p)
-    probs = logits.softmax(dim=-1)
-    return _inverse_cdf(probs, _uniform_per_row(generators, default_generator, device))
+    return logits.softmax(dim=-1)
+
+
+def _sample_random_rows(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator,
+) -> torch.Tensor:
+    """Sample one token per row of ``logits`` [N, V] (already penalised) for non-greedy rows."""
+    probs = random_row_probs(logits, params)
+    return _inverse_cdf(probs, _uniform_per_row(generators, default_generator, logits.device))
 
 
 def _uniform_per_row(

@@ -1,1 +1,1 @@
-"""Speculative decoding: drafts proposed cheaply, verified in one forward (greedy, exact)."""
+"""Speculative decoding: drafts proposed cheaply, verified in one forward (exact: greedy and sampled)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from hybridkv.engine.request import Request
 from hybridkv.engine.speculative.config import SpeculativeConfig
-from hybridkv.model_executor.sampler import plain_greedy
+from hybridkv.model_executor.sampler import drafts_verifiable
 
 
 class NgramIndex:
@@ -53,9 +53,10 @@ class NgramProposer:
 
     def propose(self, req: Request, budget: int) -> list[int]:
         """Drafts for a decoding request (at most budget - 1 and what it may still generate after
-        the step's own token); [] for a request that does not sample by plain argmax (sampled,
-        constrained, penalised or with logprobs: those decode normally, which is exact)."""
-        if req.grammar is not None or not plain_greedy(req.params, req.num_output_tokens):
+        the step's own token); [] for a request whose drafts cannot be verified exactly
+        (constrained, penalised, min_tokens not yet reached, with logprobs: sampler.drafts_verifiable;
+        those decode normally, which is exact). Greedy and sampled requests are drafted alike."""
+        if req.grammar is not None or not drafts_verifiable(req.params, req.num_output_tokens):
             return []
         k = min(self.spec.num_speculative_tokens, budget - 1, req.max_tokens - req.num_output_tokens - 1,
                 self.max_model_len - req.num_tokens - 1)

@@ -1,16 +1,19 @@
 """Verification of n-gram drafts: which drafted tokens the model agrees with, booked token by
 token, and the counters that say how well drafting pays.
 
-A drafted request runs as one chunk of k+1 rows (its last accepted token, then the k drafts);
-the runner returns the greedy token after every row. Draft i is accepted when it equals the
-model's token after row i and every earlier draft was accepted; the model's token after the last
-accepted row follows them, so a step yields 1..k+1 tokens, each the one plain greedy decoding
-would have produced. The tokens are taken one at a time with the engine's stop checks (EOS, stop
-ids and strings, max_tokens): those after a stop are dropped, and the request's computed length
-counts only the tokens it kept (the K/V of the rest is overwritten or its pages given back).
-"The same token" holds bit for bit where the model's rows do not depend on the chunk's row count
-(the engine's batch-invariance contract, tests/engine/test_batch_invariance.py).
-"""
+A drafted request runs as one chunk of k+1 rows (its last accepted token, then the k drafts); the
+runner returns the model's token after its rows: for a greedy request the argmax after every row,
+for a sampled one (temperature > 0) the token drawn from each row's sampling distribution up to the
+first that differs from the draft (model_executor/rejection_sampler.py: speculative sampling,
+exact). Draft i is accepted when it equals the model's token after row i and every earlier draft was
+accepted; the model's token after the last accepted row follows them, so a step yields 1..k+1
+tokens, each the one plain decoding would have produced (greedy), or with the law plain sampling
+gives it (sampled; the same token for a seeded request). The tokens are taken one at a time with the
+engine's stop checks (EOS, stop ids and strings, max_tokens): those after a stop are dropped, and
+the request's computed length counts only the tokens it kept (the K/V of the rest is overwritten or
+its pages given back). "The same token" holds bit for bit where the model's rows do not depend on
+the chunk's row count (the engine's batch-invariance contract,
+tests/engine/test_batch_invariance.py)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -21,10 +24,10 @@ from hybridkv.engine.speculative.config import SpeculativeConfig
 from hybridkv.engine.speculative.ngram_proposer import NgramProposer
 
 
-def accepted_length(drafts: list[int], greedy: list[int]) -> int:
-    """The longest prefix of drafts equal to the model's greedy tokens (greedy has one more)."""
+def accepted_length(drafts: list[int], tokens: list[int]) -> int:
+    """The longest prefix of drafts equal to the model's tokens (which hold one more past it)."""
     a = 0
-    while a < len(drafts) and drafts[a] == greedy[a]:
+    while a < len(drafts) and drafts[a] == tokens[a]:
         a += 1
     return a
 
@@ -48,11 +51,12 @@ class Verifier:
         scheduler.proposer = NgramProposer(spec, max_model_len)
         return cls(scheduler, spec.num_speculative_tokens, stats)
 
-    def book(self, req: Request, drafts: list[int], greedy: list[int],
+    def book(self, req: Request, drafts: list[int], tokens: list[int],
              take: Callable[[int], RequestStatus | None]) -> RequestStatus | None:
-        """Take the accepted tokens (take: the engine's append + stop check of one token) and set
-        the request's computed length to what it kept; the stop status, if one was reached."""
-        a = accepted_length(drafts, greedy)
+        """Take the accepted tokens (tokens: the runner's RunnerOutput.verified entry; take: the
+        engine's append + stop check of one token) and set the request's computed length to what it
+        kept; the stop status, if one was reached."""
+        a = accepted_length(drafts, tokens)
         st = self.stats
         st["spec_drafts"] += 1
         st["spec_draft_tokens"] += len(drafts)
@@ -61,7 +65,7 @@ class Verifier:
             st["spec_accepted_per_position"][i] += 1
         req.ngram_index.adapt_draft_len(len(drafts), a)
         start, kept, status = req.num_computed_tokens, 0, None
-        for tok in drafts[:a] + [greedy[a]]:
+        for tok in drafts[:a] + [tokens[a]]:
             kept += 1
             status = take(tok)
             if status is not None:
