@@ -39,7 +39,8 @@ from hybridkv.model_executor.sampling_params import SamplingParams
 
 @dataclass
 class DraftedSequence:
-    """One sampled request's verify rows: the k+1 logits rows of its last token and its drafts."""
+    """One sampled request's verify chunk (its last known token, then k drafts: k + 1 rows):
+    what the distributions of its rows depend on besides their logits."""
 
     params: SamplingParams
     generator: torch.Generator | None  # the request's own (seeded); None: the runner's default one
