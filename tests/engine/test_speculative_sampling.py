@@ -191,3 +191,24 @@ def test_multiturn_prefix_reuse_with_speculation_is_not_lower(tiny_ckpt):
     assert all(g >= r for g, r in zip(got_cached, ref_cached)), (got_cached, ref_cached)
     assert spec.engine.kv.prefix_hits >= plain.engine.kv.prefix_hits > 0
     assert spec.engine.stats["spec_accepted_tokens"] > 0
+
+
+def test_seeded_sampled_tokens_on_deepseek_v4_equal_plain_decoding(tmp_path_factory):
+    """DeepSeek-V4 verifies a drafted request as one chunk of k+1 rows (its hybrid spaces), not
+    as one-token decodes: its sampled, seeded requests give plain decoding's tokens too."""
+    from tiny_deepseek_v4 import build_v4_checkpoint, single_thread
+
+    v4 = build_v4_checkpoint(str(tmp_path_factory.mktemp("v4")))
+    kw = dict(dtype="float32", block_size=32, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=48,
+              num_scheduler_steps=1)
+    with single_thread():
+        plain, spec = LLM(v4, **kw), LLM(v4, speculative_config=SPEC, **kw)
+        assert not spec.engine.runner.model.verify_rows_as_decodes
+        g = torch.Generator().manual_seed(3)
+        pattern = torch.randint(3, plain.engine.runner.config.vocab_size, (7,), generator=g).tolist()
+        prompts = [pattern * 6, pattern * 3 + pattern[:2]]
+        params = [SamplingParams(temperature=t, top_k=3, seed=i, max_tokens=40, ignore_eos=True)
+                  for i, t in enumerate((0.05, 0.2))]
+        assert _generate(spec, prompts, params) == _generate(plain, prompts, params)
+    st = spec.engine.stats
+    assert 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"], st
