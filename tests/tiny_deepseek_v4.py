@@ -106,10 +106,11 @@ def randomize_(model, seed: int = 0) -> None:
 def with_mtp_layer(config):
     """A copy of a V4 config with one more layer at the end as the MTP layer is built: sliding
     attention and a top-k routed (not hashed) MoE."""
-    cfg = copy.deepcopy(config)
-    cfg.num_hidden_layers = config.num_hidden_layers + 1
-    cfg.layer_types = list(config.layer_types) + ["sliding_attention"]
-    cfg.mlp_layer_types = list(config.mlp_layer_types) + ["moe"]
+    cfg, n = copy.deepcopy(config), config.num_hidden_layers
+    cfg.num_hidden_layers = n + 1
+    # (a release config's legacy compress_ratios list the MTP layer already: cut at the trunk's)
+    cfg.layer_types = list(config.layer_types[:n]) + ["sliding_attention"]
+    cfg.mlp_layer_types = list(config.mlp_layer_types[:n]) + ["moe"]
     return cfg
 
 
