@@ -431,10 +431,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def propose_mtp(self, request_ids: list[str], num_computed: list[int], last_tokens: list[int],
-                    num_drafts: int, plan: KVPlan) -> dict[str, list[int]]:
+                    num_drafts: list[int], plan: KVPlan) -> dict[str, list[int]]:
         """Greedy drafts of the MTP layer for these decoding requests (each num_computed tokens in
-        the cache, last_tokens the next): up to num_drafts each, none for a request without an MTP
-        row at its last token. plan: their block tables, with pages for the drafts' positions."""
+        the cache, last_tokens the next), batched: up to num_drafts[i] each, none for a request
+        without an MTP row at its last token. plan: their block tables, with pages for the drafts'
+        positions."""
         P = self.layout.page_size
 
         def rows_meta(ids: list[str], rows: list[int]) -> tuple[object, torch.Tensor]:

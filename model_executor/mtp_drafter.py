@@ -131,28 +131,33 @@ class MtpDrafter:
             self.tails[rid] = MtpTail(pos[i], next_ids[rows[i]], picked[i].clone(), drafts[i])
 
     @torch.inference_mode()
-    def propose(self, request_ids: list[str], num_computed: list[int], last_tokens: list[int], num_drafts: int,
-                rows_meta: Callable[[list[str], list[int]], tuple[object, torch.Tensor]]) -> dict[str, list[int]]:
-        """Up to num_drafts greedy drafts per request whose tail is at its last token (position
-        num_computed - 1, next token last_token); others get none. rows_meta(ids, positions): the
-        attention metadata and positions tensor of one row per request at those positions."""
-        live = [(rid, t) for rid, n, tok in zip(request_ids, num_computed, last_tokens)
-                if (t := self.tails.get(rid)) is not None and t.position == n - 1 and t.next_token == tok]
+    def propose(self, request_ids: list[str], num_computed: list[int], last_tokens: list[int],
+                num_drafts: list[int], rows_meta: Callable[[list[str], list[int]], tuple[object, torch.Tensor]],
+                ) -> dict[str, list[int]]:
+        """Up to num_drafts[i] greedy drafts for each request whose tail is at its last token
+        (position num_computed - 1, next token last_tokens[i]); the others get none. One MTP
+        forward per draft position over the requests still drafting. rows_meta(ids, positions):
+        the attention metadata and positions tensor of one row per request at those positions."""
+        live = [(rid, t, k) for rid, n, tok, k in zip(request_ids, num_computed, last_tokens, num_drafts)
+                if (t := self.tails.get(rid)) is not None and t.position == n - 1 and t.next_token == tok and k > 0]
         if not live:
             return {}
-        ids = [rid for rid, _ in live]
-        drafts = {rid: [t.draft] for rid, t in live}
-        streams = torch.stack([t.streams for _, t in live])
-        tokens = [t.draft for _, t in live]
-        pos = [t.position + 1 for _, t in live]
-        for _ in range(num_drafts - 1):
-            meta, positions = rows_meta(ids, pos)
-            token_ids = torch.tensor(tokens, dtype=torch.long, device=streams.device)
-            streams = self.mtp(streams, token_ids, self.model.embed_tokens, positions, meta)
-            tokens = greedy_tokens(self.model.compute_logits(self.mtp.head_hidden(streams)).cpu()).tolist()
-            for rid, tok in zip(ids, tokens):
+        drafts = {rid: [t.draft] for rid, t, _ in live}
+        streams = torch.stack([t.streams for _, t, _ in live])  # each request's last output streams
+        tokens = [t.draft for _, t, _ in live]
+        pos = [t.position + 1 for _, t, _ in live]
+        for j in range(1, max(k for _, _, k in live)):
+            active = [i for i, (_, _, k) in enumerate(live) if k > j]
+            ids = [live[i][0] for i in active]
+            meta, positions = rows_meta(ids, [pos[i] for i in active])
+            index = torch.tensor(active, device=streams.device)
+            token_ids = torch.tensor([tokens[i] for i in active], dtype=torch.long, device=streams.device)
+            out = self.mtp(streams[index], token_ids, self.model.embed_tokens, positions, meta)
+            new = greedy_tokens(self.model.compute_logits(self.mtp.head_hidden(out)).cpu()).tolist()
+            streams = streams.index_copy(0, index, out)
+            for i, rid, tok in zip(active, ids, new):
                 drafts[rid].append(tok)
-            pos = [p + 1 for p in pos]
+                tokens[i], pos[i] = tok, pos[i] + 1
         return drafts
 
     def release(self, request_ids) -> None:
