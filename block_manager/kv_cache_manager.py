@@ -484,11 +484,13 @@ class KVCacheManager:
         return KVCacheLayout(self.page_size, dict(self.specs),
                              {n: s.num_physical_pages for n, s in self.spaces.items()}, host_spaces, hot_buffers)
 
-    def plan(self, request_ids: list[str]) -> KVPlan:
+    def plan(self, request_ids: list[str], copies: bool = True) -> KVPlan:
         """The step's plan for these requests (allocated this step): their block-table rows, the
-        tables, and the tier copies decided since the last plan or take_transfers."""
+        tables, and the tier copies decided since the last plan or take_transfers (copies=False:
+        none taken, for a forward between steps: the MTP drafter's)."""
+        transfers = self.take_transfers() if copies else TierTransfers()
         return KVPlan({n: bt.tensor for n, bt in self.block_tables.items()},
-                      {r: self._requests[r].row for r in request_ids}, self.take_transfers())
+                      {r: self._requests[r].row for r in request_ids}, transfers)
 
     def take_transfers(self) -> TierTransfers:
         """Device <-> host copies decided since the last call (execute before the next forward)."""

@@ -29,7 +29,7 @@ from hybridkv.engine.request import Request, RequestStatus
 from hybridkv.engine.request_group import RequestGroup, make_output
 from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from hybridkv.engine.speculative.config import speculation_config
+from hybridkv.engine.speculative.config import mtp_wanted, speculation_config
 from hybridkv.engine.speculative.verifier import Verifier
 from hybridkv.engine.step_executor import StepExecutor
 from hybridkv.engine.structured_output import StructuredOutputManager
@@ -78,7 +78,7 @@ class LLMEngine:
         # Everything that needs only the model's shape is planned and checked before the weights
         # load (config.json, on the meta device): a budget too small fails in a second.
         skeleton = model_skeleton(model_dir, config.dtype, config.max_model_len, device, config.attention_backend,
-                                  parallel)
+                                  parallel, mtp=mtp_wanted(config))
         self.max_model_len = skeleton.max_model_len
         self.speculative, specs = speculation_config(config, skeleton.specs)  # refused before the weights load
         memory = plan_kv_memory(config, specs, skeleton.model, self.max_model_len)
@@ -108,7 +108,7 @@ class LLMEngine:
             max_requests=min(config.max_num_seqs, 64),
             host_pages=memory.host_pages, hicache_write_policy=config.hicache_write_policy,
             load_back_threshold=config.load_back_threshold,
-            report_freed=self.hisparse is not None,  # the runner empties their hot-buffer rows
+            report_freed=self.hisparse is not None or skeleton.mtp,  # the runner drops their hot-buffer rows, MTP tails
             kv_events=kv_events_config is not None,
         )
         hs = self.hisparse  # its c4 mirror in host memory, hot buffers on the device
@@ -135,7 +135,7 @@ class LLMEngine:
         self._counter = itertools.count()  # request ids for callers that give none
         self._sequence_counter = itertools.count()  # internal sequence ids (_new_sequence_id)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "burst_calls": 0}
-        self.verifier = Verifier.attach(self.speculative, self.scheduler, self.max_model_len, self.stats)
+        self.verifier = Verifier.attach(self.speculative, self.scheduler, self.max_model_len, self.stats, self.runner)
         # Decode steps per model call (engine/decode_burst.py); off under a step-time target.
         # AsyncLLMEngine resolves it again as a streaming server.
         self.executor = StepExecutor(self.kv, self.runner, self.max_model_len,

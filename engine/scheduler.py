@@ -139,7 +139,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.policy = SchedulingPolicy(config.policy)
-        # Speculative decoding's drafter (engine/speculative/ngram_proposer.py); None: off.
+        # Speculative decoding's drafter (engine/speculative/: ngram_proposer.py, mtp_proposer.py); None: off.
         self.proposer = None
 
     def add(self, request: Request) -> None:
@@ -166,6 +166,8 @@ class Scheduler:
         if self.timer is not None:
             self._start_pricing(out)
         self.kv.poll()
+        if self.proposer is not None:  # drafts for the whole batch at once, where the drafter batches them
+            self.proposer.begin_step(running=self.running)
 
         # Hot loop: one pass per running request. A decode that stays inside its last page (the
         # common step) skips the allocate call: its pages' grow_at says there is nothing to do.

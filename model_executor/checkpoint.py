@@ -232,6 +232,21 @@ def weight_files(model_dir: str, allow_pickle: bool = False) -> list[str]:
     return list(_resolve_weights(model_dir, allow_pickle).files)
 
 
+def safetensors_names(model_dir: str) -> set[str]:
+    """The tensor names of a safetensors checkpoint, read from the index or the file headers (no
+    tensor data): what a model asks before it loads, e.g. whether an optional layer ships."""
+    from safetensors import safe_open
+
+    source = _resolve_weights(model_dir, allow_pickle=False)
+    if source.weight_map:
+        return set(source.weight_map)
+    names: set[str] = set()
+    for path in source.files:
+        with safe_open(path, framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
 # Bytes read from one memory map of a safetensors file before it is closed and opened again.
 REMAP_BYTES = 64 << 20
 

@@ -38,6 +38,7 @@ from hybridkv.model_executor.quantization import (
 )
 from hybridkv.model_executor.models.base import CausalLM
 from hybridkv.model_executor.models.registry import resolve_model_class
+from hybridkv.model_executor.mtp_drafter import MtpDrafter, check_mtp
 from hybridkv.model_executor.parallel.shard_loader import iter_weight_shards
 from hybridkv.model_executor.parallel.state import TensorParallel
 from hybridkv.model_executor.rejection_sampler import DraftedSequence, sample_drafted
@@ -102,12 +103,15 @@ class ModelSkeleton:
     dtype: torch.dtype
     max_model_len: int
     specs: list[SpaceSpec]
+    mtp: bool = False  # built with the checkpoint's MTP layer (speculative decoding's drafter)
 
 
-def build_model(cls: type[CausalLM], config, max_positions: int, parallel: TensorParallel | None) -> CausalLM:
-    """An instance of the model class: whole, or (parallel) this rank's shard."""
+def build_model(cls: type[CausalLM], config, max_positions: int, parallel: TensorParallel | None,
+                mtp: bool = False) -> CausalLM:
+    """An instance of the model class: whole, or (parallel) this rank's shard; mtp: with its MTP
+    layer (check_mtp first)."""
     if parallel is None:
-        return cls(config, max_positions=max_positions)
+        return cls(config, max_positions=max_positions, **({"mtp": True} if mtp else {}))
     if not cls.supports_tensor_parallel:
         raise ValueError(f"{cls.__name__} is not supported yet with tensor_parallel_size > 1 (the dense "
                          "Llama-family and Gemma-3 models and DeepSeek-V4 are)")
@@ -119,17 +123,21 @@ def build_model(cls: type[CausalLM], config, max_positions: int, parallel: Tenso
 
 def model_skeleton(model_dir: str, dtype: str | torch.dtype, max_model_len: int | None,
                    device: torch.device | str, attention_backend: str = "auto",
-                   parallel: TensorParallel | None = None) -> ModelSkeleton:
+                   parallel: TensorParallel | None = None, mtp: bool = False) -> ModelSkeleton:
     """The model of model_dir as ModelRunner will build it, on the meta device: in well under a
     second, so every check that needs only its shape runs before the weights load (the attention
-    backend's first of all). parallel: rank 0's shard (every rank's KV shard has its shape)."""
+    backend's first of all). parallel: rank 0's shard (every rank's KV shard has its shape).
+    mtp: with the checkpoint's MTP layer (its K/V in the model's spaces)."""
     check_attention_backend(attention_backend, device)
     config = load_config(model_dir)
     resolved = resolve_dtype(dtype, config, torch.device(device))
     max_len = resolve_max_model_len(config, max_model_len)
+    cls = resolve_model_class(config)
+    if mtp:
+        check_mtp(cls, model_dir, parallel)
     with torch.device("meta"), SkipRandomInit():
-        model = build_model(resolve_model_class(config), config, max_len, parallel)
-    return ModelSkeleton(config, model, resolved, max_len, model.space_specs(resolved))
+        model = build_model(cls, config, max_len, parallel, mtp)
+    return ModelSkeleton(config, model, resolved, max_len, model.space_specs(resolved), mtp)
 
 
 class ModelRunner:
@@ -145,10 +153,12 @@ class ModelRunner:
         dequantize_weights: bool | None = None,
         skeleton: ModelSkeleton | None = None,
         parallel: TensorParallel | None = None,
+        mtp: bool = False,
     ) -> None:
-        """`skeleton`: the engine's model_skeleton of the same arguments, whose config, dtype and
-        context length are taken as they are (resolved and logged once). `parallel`: this rank of
-        a tensor-parallel group: the runner builds and loads its shard, and only rank 0 samples."""
+        """`skeleton`: the engine's model_skeleton of the same arguments, whose config, dtype, context
+        length and MTP choice are taken as they are (resolved and logged once). `parallel`: this rank of
+        a tensor-parallel group: the runner builds and loads its shard, and only rank 0 samples.
+        `mtp`: with the checkpoint's MTP layer, which drafts for speculative decoding (propose_mtp)."""
         self.device = torch.device(device)
         self.parallel = parallel
         if self.device.type == "cpu":  # each layer's activations are freed and allocated again
@@ -166,6 +176,9 @@ class ModelRunner:
                                               else skeleton.max_model_len)
         check_attention_backend(attention_backend, self.device)  # a typo or a missing device: before anything
         cls = resolve_model_class(self.config)
+        mtp = skeleton.mtp if skeleton is not None else mtp
+        if mtp and skeleton is None:
+            check_mtp(cls, model_dir, parallel)
         # The C++ kernels this model uses compile side by side (once per build environment)
         # while the backend is resolved and the weights load; each caller waits for its own.
         self.kernel_builds = prebuild(cls.cpu_kernel_loaders(self.dtype) if self.device.type == "cpu" else [])
@@ -176,7 +189,7 @@ class ModelRunner:
         self.attention_backend_name: str = self.backend.name
         t0 = time.perf_counter()
         with self.device, SkipRandomInit():  # every weight comes from the checkpoint
-            model = build_model(cls, self.config, max_model_len, parallel)
+            model = build_model(cls, self.config, max_model_len, parallel, mtp)
         model.attention_backend_name = self.attention_backend_name
         quantized_names: list[str] = []
         weights = (iter_weights(model_dir, allow_pickle=allow_pickle_weights) if parallel is None
@@ -195,6 +208,8 @@ class ModelRunner:
             skip = frozenset(id(m.weight) for m in model.modules() if id(m) in release)
             logger.info("weights on huge pages: %.0f MiB", move_parameters_to_huge_pages(model, skip) / 2**20)
         self.model = model.eval()
+        # Speculative decoding's MTP drafter (mtp_drafter.py): its draft extend after every step.
+        self.mtp_drafter = MtpDrafter(self.model) if mtp else None
         if packing:
             self.model.pack_weights(release)
         if self.device.type == "cpu":  # the load's and the packing's freed tensors go back to the OS
@@ -256,6 +271,8 @@ class ModelRunner:
         if buffers is not None:
             for rid in request_ids:
                 buffers.release(rid)
+        if self.mtp_drafter is not None:
+            self.mtp_drafter.release(request_ids)
 
     def kv_cache_bytes(self) -> dict[str, dict[str, int]]:
         """Bytes allocated for the KV cache per tier ("device", "host") and space, summed over
@@ -381,7 +398,7 @@ class ModelRunner:
             if len(sampled_rows) != ids.shape[0]:
                 hidden = hidden[sampled_rows]
         if not sampling:
-            return out
+            return self._mtp_extend(items, positions, meta, out)
         # The sampler works on the host (per-request torch.Generators are CPU generators), in
         # float32 except for plain greedy rows, whose argmax it takes in the model's dtype.
         logits = self.model.compute_logits(hidden)
@@ -405,7 +422,36 @@ class ModelRunner:
                 None if res.sampled_logprobs is None else res.sampled_logprobs[i],
                 res.top_logprobs[i],
             )
+        return self._mtp_extend(items, positions, meta, out)
+
+    def _mtp_extend(self, items: list[ScheduledSequence], positions: torch.Tensor, meta,
+                    out: RunnerOutput) -> RunnerOutput:
+        """With an MTP drafter: its draft extend over the step's rows (mtp_drafter.py)."""
+        if self.mtp_drafter is not None:
+            self.mtp_drafter.extend(items, positions, meta, {rid: t.token_id for rid, t in out.sampled.items()},
+                                    out.verified)
         return out
+
+    @torch.inference_mode()
+    def propose_mtp(self, request_ids: list[str], num_computed: list[int], last_tokens: list[int],
+                    num_drafts: list[int], plan: KVPlan) -> dict[str, list[int]]:
+        """Greedy drafts of the MTP layer for these decoding requests (each num_computed tokens in
+        the cache, last_tokens the next), batched: up to num_drafts[i] each, none for a request
+        without an MTP row at its last token. plan: their block tables, with pages for the drafts'
+        positions."""
+        P = self.layout.page_size
+
+        def rows_meta(ids: list[str], rows: list[int]) -> tuple[object, torch.Tensor]:
+            tables = plan.step_tables(ids, -(-(max(rows) + 1) // P))
+            seqs = StepSequences([1] * len(ids), [p + 1 for p in rows], tables, ids,
+                                 decode_tiles=self.backend.needs_decode_tiles, decodes=len(ids))
+            meta = self.model.build_attention_metadata(seqs, self.windows, P)
+            positions = torch.tensor(rows, dtype=torch.long)
+            if self.device.type != "cpu":
+                meta, positions = _to_device(meta, self.device), positions.to(self.device)
+            return meta, positions
+
+        return self.mtp_drafter.propose(request_ids, num_computed, last_tokens, num_drafts, rows_meta)
 
     def _verify(self, items: list[ScheduledSequence], verify: frozenset[str], hidden: torch.Tensor,
                 out: RunnerOutput) -> None:

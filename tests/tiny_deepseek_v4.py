@@ -8,10 +8,13 @@ Every tensor is re-initialised at O(1)-activation scales, as the reference scrip
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
+import tempfile
 from typing import Iterator
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from tiny_checkpoints import build_tokenizer
 
@@ -100,8 +103,46 @@ def randomize_(model, seed: int = 0) -> None:
             b.copy_(rn(tuple(b.shape), 0.1).to(b.dtype))
 
 
-def build_v4_checkpoint(path: str, seed: int = 0, **overrides) -> str:
-    """Write a tiny DeepSeek-V4 checkpoint (save_pretrained naming) plus a tokenizer to path."""
+def with_mtp_layer(config):
+    """A copy of a V4 config with one more layer at the end as the MTP layer is built: sliding
+    attention and a top-k routed (not hashed) MoE."""
+    cfg, n = copy.deepcopy(config), config.num_hidden_layers
+    cfg.num_hidden_layers = n + 1
+    # (a release config's legacy compress_ratios list the MTP layer already: cut at the trunk's)
+    cfg.layer_types = list(config.layer_types[:n]) + ["sliding_attention"]
+    cfg.mlp_layer_types = list(config.mlp_layer_types[:n]) + ["moe"]
+    return cfg
+
+
+@torch.no_grad()
+def mtp_tensors(config, seed: int, prefix: str = "model.mtp.0.") -> dict[str, torch.Tensor]:
+    """Random MTP weights under the names DeepSeek's checkpoints use (save_pretrained writes none):
+    the decoder layer's tensors (an HF model one layer longer, randomised like the trunk, saved:
+    its last layer's names are the original ones) and the MTP's own projections, norms and hc_head."""
+    from transformers import DeepseekV4ForCausalLM
+
+    n, d, hc = config.num_hidden_layers, config.hidden_size, config.hc_mult
+    longer = DeepseekV4ForCausalLM(with_mtp_layer(config)).eval()
+    randomize_(longer, seed + 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        longer.save_pretrained(tmp)
+        saved = load_file(os.path.join(tmp, "model.safetensors"))
+    layer = f"model.layers.{n}."
+    out = {prefix + k[len(layer) :]: v for k, v in saved.items() if k.startswith(layer)}
+    g = torch.Generator().manual_seed(seed + 2)
+    for name in ("e_proj", "h_proj"):
+        out[f"{prefix}{name}.weight"] = torch.randn(d, d, generator=g) * d**-0.5
+    for name in ("enorm", "hnorm", "norm"):
+        out[f"{prefix}{name}.weight"] = 1.0 + 0.1 * torch.randn(d, generator=g)
+    out[f"{prefix}hc_head_fn"] = torch.randn(hc, hc * d, generator=g) * (hc * d) ** -0.5
+    out[f"{prefix}hc_head_base"] = 0.1 * torch.randn(hc, generator=g)
+    out[f"{prefix}hc_head_scale"] = 1.0 + 0.1 * torch.randn(1, generator=g)
+    return out
+
+
+def build_v4_checkpoint(path: str, seed: int = 0, mtp: bool = False, **overrides) -> str:
+    """Write a tiny DeepSeek-V4 checkpoint (save_pretrained naming) plus a tokenizer to path.
+    mtp: with random MTP-layer weights (model.mtp.0.*, mtp_tensors); the trunk is the same."""
     from transformers import DeepseekV4ForCausalLM
 
     tok = build_tokenizer()
@@ -115,6 +156,11 @@ def build_v4_checkpoint(path: str, seed: int = 0, **overrides) -> str:
     randomize_(model, seed)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
+    if mtp:
+        file = os.path.join(path, "model.safetensors")
+        tensors = load_file(file)
+        tensors.update(mtp_tensors(config, seed))
+        save_file(tensors, file, metadata={"format": "pt"})
     tok.save_pretrained(path)
     return path
 

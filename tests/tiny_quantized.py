@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tiny_checkpoints import build_checkpoint, build_tokenizer
-from tiny_deepseek_v4 import randomize_
+from tiny_deepseek_v4 import mtp_tensors, randomize_
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 FP8_MAX, FP4_MAX = 448.0, 6.0
@@ -104,7 +104,8 @@ def dense_config(config: dict) -> dict:
     return cfg
 
 
-_FP8_PROJ = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.ffn\.shared_experts\.w[123]\.weight$")
+_FP8_PROJ = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.ffn\.shared_experts\.w[123]\.weight$"
+                       r"|\.(e_proj|h_proj)\.weight$")
 _EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 _BF16 = re.compile(r"compressor\.(wkv|wgate)\.weight$|indexer\.weights_proj\.weight$|ffn\.gate\.weight$"
                    r"|(^|\.)embed(_tokens)?\.weight$|^head\.weight$")
@@ -134,13 +135,15 @@ def _write_shards(path: str, tensors: dict[str, torch.Tensor], num_shards: int) 
 
 def build_release_v4_checkpoint(
     path: str, expert_dtype: str = "fp4", naming: str = "original", seed: int = 0, num_shards: int = 2,
-    **config_overrides,
+    mtp: bool = False, **config_overrides,
 ) -> str:
     """Write a tiny DeepSeek-V4 checkpoint as DeepSeek releases it (see the module docstring).
 
     naming "original": release names, `<module>.scale` ue8m0 scales. naming "hf": save_pretrained
     names ("model." prefix), `<module>.weight_scale_inv` float32 FP8 scales (scale_fmt unset;
-    MXFP4 experts keep ue8m0, which is what MX means)."""
+    MXFP4 experts keep ue8m0, which is what MX means). mtp: a whole MTP layer (tiny_deepseek_v4.
+    mtp_tensors, quantized like the trunk); without it only two of its tensors, which a load
+    without MTP speculation must skip."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     tok = build_tokenizer()
@@ -154,6 +157,8 @@ def build_release_v4_checkpoint(
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         dense = load_file(os.path.join(tmp, "model.safetensors"))
+    if mtp:
+        dense.update(mtp_tensors(model.config, seed))
     ue8m0 = naming == "original"
     out: dict[str, torch.Tensor] = {}
     for hf_name, t in dense.items():
@@ -173,11 +178,11 @@ def build_release_v4_checkpoint(
             out[name] = t.to(torch.int32) if naming == "original" else t
         else:
             out[name] = t.float()
-    # The MTP layer ships too (FP8, like the trunk); inference without speculation ignores it.
-    mtp = "mtp.0" if naming == "original" else "model.mtp.0"
-    out[f"{mtp}.e_proj.weight"], out[f"{mtp}.e_proj{'.scale' if naming == 'original' else '.weight_scale_inv'}"] = (
-        quantize_fp8_blocks(torch.randn(config["hidden_size"], config["hidden_size"]) * 0.05, ue8m0=ue8m0))
-    out[f"{mtp}.norm.weight"] = torch.ones(config["hidden_size"])
+    if not mtp:  # part of an MTP layer (FP8, like the trunk); inference without MTP speculation ignores it
+        prefix = "mtp.0" if naming == "original" else "model.mtp.0"
+        out[f"{prefix}.e_proj.weight"], out[f"{prefix}.e_proj{'.scale' if naming == 'original' else '.weight_scale_inv'}"] = (
+            quantize_fp8_blocks(torch.randn(config["hidden_size"], config["hidden_size"]) * 0.05, ue8m0=ue8m0))
+        out[f"{prefix}.norm.weight"] = torch.ones(config["hidden_size"])
     os.makedirs(path, exist_ok=True)
     _write_shards(path, out, num_shards)
     with open(os.path.join(path, "config.json"), "w") as f:

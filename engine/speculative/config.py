@@ -1,7 +1,8 @@
 """SpeculativeConfig: vLLM's `speculative_config`, validated before the model loads.
 
-Only the n-gram (prompt-lookup) drafter exists: it needs no second model, and on copy-heavy
-outputs (quoting, code edits, summaries that reuse phrases) its drafts are often right. Whatever
+Two drafters: n-gram prompt lookup ("ngram": no second model; on copy-heavy outputs -- quoting,
+code edits, summaries that reuse phrases -- its drafts are often right) and the checkpoint's own
+multi-token prediction layer ("mtp": DeepSeek-V4; engine/speculative/mtp_proposer.py). Whatever
 this engine cannot yet verify exactly is refused here or in check_speculation, not ignored: a
 silently dropped flag would hide that outputs are decoded without it.
 """
@@ -12,7 +13,8 @@ from dataclasses import dataclass, replace
 
 from hybridkv.block_manager.space_spec import SpaceSpec
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "mtp")
+_NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 
 
 @dataclass(frozen=True)
@@ -38,11 +40,13 @@ class SpeculativeConfig:
         method = value.get("method")
         if method not in METHODS:
             raise ValueError(f"speculative_config method {method!r} is not supported; supported: {list(METHODS)} "
-                             "(n-gram prompt lookup; draft models and MTP are not implemented)")
+                             "(n-gram prompt lookup, the model's MTP layer; draft models are not implemented)")
         known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}")
+        if method == "mtp" and any(key in value for key in _NGRAM_KEYS):
+            raise ValueError(f"speculative_config {list(_NGRAM_KEYS)} apply to method 'ngram', not 'mtp'")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         if lo is None and hi is None:
             lo, hi = 1, 3
@@ -57,6 +61,13 @@ class SpeculativeConfig:
         if lo > hi:
             raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
         return cls(method, value["num_speculative_tokens"], lo, hi)
+
+
+def mtp_wanted(config) -> bool:
+    """Whether EngineConfig.speculative_config drafts with the model's MTP layer: the model is then
+    built with it (model_runner.model_skeleton, which refuses a model or checkpoint without one)."""
+    spec = SpeculativeConfig.parse(config.speculative_config)
+    return spec is not None and spec.method == "mtp"
 
 
 def speculation_config(config, space_specs: list[SpaceSpec]) -> tuple["SpeculativeConfig | None", list[SpaceSpec]]:

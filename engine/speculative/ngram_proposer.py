@@ -51,6 +51,9 @@ class NgramProposer:
     def __init__(self, spec: SpeculativeConfig, max_model_len: int) -> None:
         self.spec, self.max_model_len = spec, max_model_len
 
+    def begin_step(self, running: list[Request]) -> None:
+        """Nothing to prepare: each request's lookup is its own (propose)."""
+
     def propose(self, req: Request, budget: int) -> list[int]:
         """Drafts for a decoding request (at most budget - 1 and what it may still generate after
         the step's own token); [] for a request whose drafts cannot be verified exactly

@@ -21,6 +21,7 @@ from typing import Callable
 from hybridkv.engine.request import Request, RequestStatus
 from hybridkv.engine.scheduler import Scheduler
 from hybridkv.engine.speculative.config import SpeculativeConfig
+from hybridkv.engine.speculative.mtp_proposer import MtpProposer
 from hybridkv.engine.speculative.ngram_proposer import NgramProposer
 
 
@@ -44,11 +45,13 @@ class Verifier:
 
     @classmethod
     def attach(cls, spec: SpeculativeConfig | None, scheduler: Scheduler, max_model_len: int,
-               stats: dict) -> "Verifier | None":
-        """The engine's verifier, with the scheduler's drafter set (None, nothing set: off)."""
+               stats: dict, runner=None) -> "Verifier | None":
+        """The engine's verifier, with the scheduler's drafter set (None, nothing set: off); runner:
+        the model runner, which drafts with method "mtp"."""
         if spec is None:
             return None
-        scheduler.proposer = NgramProposer(spec, max_model_len)
+        scheduler.proposer = (MtpProposer(spec, max_model_len, runner, scheduler.kv) if spec.method == "mtp"
+                              else NgramProposer(spec, max_model_len))
         return cls(scheduler, spec.num_speculative_tokens, stats)
 
     def book(self, req: Request, drafts: list[int], tokens: list[int],
@@ -63,7 +66,8 @@ class Verifier:
         st["spec_accepted_tokens"] += a
         for i in range(a):
             st["spec_accepted_per_position"][i] += 1
-        req.ngram_index.adapt_draft_len(len(drafts), a)
+        if req.ngram_index is not None:  # n-gram drafts adapt their length; MTP drafts k each step
+            req.ngram_index.adapt_draft_len(len(drafts), a)
         start, kept, status = req.num_computed_tokens, 0, None
         for tok in drafts[:a] + [tokens[a]]:
             kept += 1

@@ -160,8 +160,10 @@ def test_refused_settings_raise_before_the_model_loads(tiny_ckpt, monkeypatch):
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr(llm_engine, "ModelRunner", no_load)
-    with pytest.raises(ValueError, match="supported: \\['ngram'\\]"):
-        EngineConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match="supported: \\['ngram', 'mtp'\\]"):
+        EngineConfig(speculative_config={"method": "eagle", "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match="LlamaForCausalLM .* has none"):  # no MTP layer: refused before loading
+        LLM(tiny_ckpt("llama"), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig.parse({"method": "ngram"})
     with pytest.raises(ValueError, match="prompt_lookup_min"):

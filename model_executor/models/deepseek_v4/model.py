@@ -27,8 +27,9 @@ from hybridkv.model_executor.models.deepseek_v4.attention import (
     CompressorCache, V4Attention, V4LayerCache, hybrid_backend,
 )
 from hybridkv.model_executor.models.deepseek_v4.config import CSA, V4Config
-from hybridkv.model_executor.models.deepseek_v4.mhc import HyperConnection, HyperHead
-from hybridkv.model_executor.models.deepseek_v4.moe import V4MoE
+from hybridkv.model_executor.models.deepseek_v4.decoder_layer import V4DecoderLayer
+from hybridkv.model_executor.models.deepseek_v4.mhc import HyperHead
+from hybridkv.model_executor.models.deepseek_v4.mtp import V4MTPLayer
 from hybridkv.model_executor.models.deepseek_v4.norms import V4RMSNorm
 from hybridkv.model_executor.models.deepseek_v4.rope import InterleavedRope, inv_freq_from_params
 from hybridkv.model_executor.models.deepseek_v4.sharding import V4Shard
@@ -44,26 +45,6 @@ _FP32_SUFFIXES = ("attn_sink", ".ape", "norm.weight", "hc_attn.fn", "hc_attn.bas
                   "hc_ffn.fn", "hc_ffn.base", "hc_ffn.scale", "hc_fn", "hc_base", "hc_scale")
 
 
-class V4DecoderLayer(nn.Module):
-    def __init__(self, cfg: V4Config, i: int, main_rope: InterleavedRope, compress_rope: InterleavedRope,
-                 shard: V4Shard, parallel: TensorParallel | None) -> None:
-        super().__init__()
-        d, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.attn_norm = V4RMSNorm(d, eps)
-        self.attn = V4Attention(cfg, i, main_rope, compress_rope, shard, parallel)
-        self.ffn_norm = V4RMSNorm(d, eps)
-        self.ffn = V4MoE(cfg, i, shard, parallel)
-        self.hc_attn = HyperConnection(cfg.hc_mult, d, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
-        self.hc_ffn = HyperConnection(cfg.hc_mult, d, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
-
-    def forward(self, streams: torch.Tensor, positions: torch.Tensor, meta: HybridAttentionMetadata,
-                input_ids: torch.Tensor) -> torch.Tensor:
-        x, post, comb = self.hc_attn(streams)
-        streams = HyperConnection.expand(streams, self.attn(self.attn_norm(x), positions, meta), post, comb)
-        x, post, comb = self.hc_ffn(streams)
-        return HyperConnection.expand(streams, self.ffn(self.ffn_norm(x), input_ids), post, comb)
-
-
 class DeepseekV4ForCausalLM(CausalLM):
     # Page boundaries must be compression boundaries: 128 is a multiple of every V4 ratio.
     default_block_size = 128
@@ -74,6 +55,8 @@ class DeepseekV4ForCausalLM(CausalLM):
     # A compressor pools a closing window's rows before it writes the step's rows to its ring, so
     # a verified token and its drafts run as one chunk (their rows come from the step itself).
     verify_rows_as_decodes = False
+    # Speculative decoding with the checkpoint's MTP layer (mtp.py): built with mtp=True.
+    supports_mtp = True
 
     @classmethod
     def cpu_kernel_loaders(cls, dtype: torch.dtype) -> list:
@@ -84,8 +67,9 @@ class DeepseekV4ForCausalLM(CausalLM):
 
         return [load_joint_attention, load_indexer_topk, blocked_linear_ops, fused_ops]
 
-    def __init__(self, config, max_positions: int, parallel: TensorParallel | None = None) -> None:
-        """parallel: build this rank's shard (sharding.py); None: the whole model."""
+    def __init__(self, config, max_positions: int, parallel: TensorParallel | None = None, mtp: bool = False) -> None:
+        """parallel: build this rank's shard (sharding.py); None: the whole model. mtp: with the
+        checkpoint's MTP layer (speculative decoding's drafter; without it mtp.* is not loaded)."""
         super().__init__()
         cfg = V4Config.from_hf(config)
         self.config, self.cfg, self.parallel = config, cfg, parallel
@@ -108,6 +92,13 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size if parallel is None else self.sharding.vocab.padded,
                               bias=False)
+        if mtp and parallel is not None:
+            raise ValueError("speculative decoding with DeepSeek-V4's MTP layer is not supported with "
+                             "tensor_parallel_size > 1")
+        self.mtp = V4MTPLayer(cfg, main_rope, compress_rope) if mtp else None
+        # With the MTP layer: every row's final streams of the last forward (before hc_head), the
+        # MTP's input (model_executor/mtp_drafter.py reads them after the step).
+        self.final_streams: torch.Tensor | None = None
 
     # -- block spaces ------------------------------------------------------------------------
     def space_specs(self, dtype: torch.dtype) -> list[SpaceSpec]:
@@ -116,7 +107,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         f32 = torch.tensor([], dtype=STATE_DTYPE).element_size()
         D, cI = cfg.head_dim, cfg.index_head_dim
         n_csa, n_hca = cfg.num_csa_layers, cfg.num_hca_layers
-        specs = [SpaceSpec(SWA, 1, cfg.num_layers * D * elt, window=cfg.sliding_window)]
+        specs = [SpaceSpec(SWA, 1, self.num_swa_layers * D * elt, window=cfg.sliding_window)]
         if n_csa:
             specs.append(SpaceSpec(C4, cfg.csa_ratio, n_csa * D * elt))
         if n_hca:
@@ -134,14 +125,21 @@ class DeepseekV4ForCausalLM(CausalLM):
             specs.append(SpaceSpec(space, 1, row_bytes[space], window=rows, ring=rows, align=ratio))
         return specs
 
+    @property
+    def num_swa_layers(self) -> int:
+        """Layers with a key in the swa space: every main layer, and the MTP layer when built (its
+        sliding window is the same, and its keys are cached and tiered with the page)."""
+        return self.cfg.num_layers + (self.mtp is not None)
+
     def step_cost(self) -> StepCost:
         """Hybrid attention: every layer reads the SWA window; a CSA layer also reads index_topk
         C4 entries (a constant per token) after its indexer scored all of them (one per csa_ratio
         tokens); an HCA layer reads every C128 entry. Only the routed experts a token picks count."""
         cfg = self.cfg
-        routed = sum(p.numel() for layer in self.layers for name, p in layer.named_parameters()
+        blocks = list(self.layers) + ([self.mtp] if self.mtp is not None else [])  # the MTP runs every row too
+        routed = sum(p.numel() for layer in blocks for name, p in layer.named_parameters()
                      if ".experts." in f".{name}")
-        routed += sum(quantized_weight_numel(layer.ffn.experts) for layer in self.layers)
+        routed += sum(quantized_weight_numel(layer.ffn.experts) for layer in blocks)
         active = self.token_params() - routed + routed * cfg.num_experts_per_tok / max(1, cfg.n_routed_experts)
         per_key = 4.0 * cfg.num_heads * cfg.head_dim
         n_csa, n_hca = cfg.num_csa_layers, cfg.num_hca_layers
@@ -200,7 +198,7 @@ class DeepseekV4ForCausalLM(CausalLM):
             return t
 
         D, cI = self.cfg.head_dim, self.cfg.index_head_dim
-        swa = pool(SWA, self.cfg.num_layers, slots[SWA], D, dtype=dtype)
+        swa = pool(SWA, self.num_swa_layers, slots[SWA], D, dtype=dtype)
         self.hot_buffers = HotBuffers.from_shape(shape, device) if shape is not None else None
         csa_ordinal = 0
         for i, layer in enumerate(self.layers):
@@ -228,6 +226,9 @@ class DeepseekV4ForCausalLM(CausalLM):
                 )
             attn.cache = cache
             attn.backend = hybrid_backend(getattr(backend, "name", None))
+        if self.mtp is not None:  # the last layer of the swa pool
+            self.mtp.attn.cache = V4LayerCache(swa=swa[self.cfg.num_layers])
+            self.mtp.attn.backend = hybrid_backend(getattr(backend, "name", None))
         return {name: ts for name, ts in caches.items() if ts}
 
     def auxiliary_kv_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -268,6 +269,8 @@ class DeepseekV4ForCausalLM(CausalLM):
             streams = layer(streams, positions, meta, input_ids)
         if meta.hisparse is not None:  # the step's new C4 entries land in the host mirror
             meta.hisparse.mirror.flush()
+        if self.mtp is not None:
+            self.final_streams = streams
         if output_rows is not None:
             streams = streams[output_rows]
         return self.norm(self.hc_head(streams))
@@ -285,4 +288,5 @@ class DeepseekV4ForCausalLM(CausalLM):
         return self.sharding
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_v4_weights(self, weights, self.sharding.local_name if self.parallel is not None else None)
+        load_v4_weights(self, weights, self.sharding.local_name if self.parallel is not None else None,
+                        mtp=self.mtp is not None)

@@ -4,8 +4,9 @@ Two namings are accepted (deepseek_v4.md §10):
   * transformers save_pretrained output: original DeepSeek names under a "model." prefix,
     e.g. model.layers.0.attn.wq_a.weight, model.hc_head.hc_fn, head.weight;
   * the original release: no prefix, embed.weight, hc_head_fn / hc_head_base / hc_head_scale.
-Our module tree mirrors the original names, so only a few renames are needed. MTP layers
-(mtp.*) are not used and skipped.
+Our module tree mirrors the original names, so only a few renames are needed. The MTP layer
+(mtp.0.*, mtp.py) is loaded under `mtp.` when the model was built with it (speculative decoding
+with method "mtp") and skipped otherwise, so it costs no memory.
 
 Released checkpoints are block-quantized (FP8 projections, FP4 or FP8 routed experts, §10):
 model_executor/quantization pairs each `<name>.weight` with its `<name>.scale` (or HF's
@@ -23,16 +24,30 @@ import torch
 
 from hybridkv.model_executor.quantization import BlockQuantizedTensor, QuantizedWeightInstaller
 
-_HC_LAYER = re.compile(r"^(layers\.\d+)\.hc_(attn|ffn)_(fn|base|scale)$")
-_HC_HEAD = re.compile(r"^hc_head_(fn|base|scale)$")
+_HC_LAYER = re.compile(r"^(layers\.\d+|mtp)\.hc_(attn|ffn)_(fn|base|scale)$")
+_HC_HEAD = re.compile(r"^(mtp\.)?hc_head_(fn|base|scale)$")
+_MTP_LAYER = re.compile(r"^mtp\.(\d+)\.")
+# Copies of the shared embedding and head some exports put under the MTP layer: the model's are used.
+_MTP_SHARED = ("embed.weight", "embed_tokens.weight", "head.weight", "shared_head.head.weight")
 
 
-def canonical_name(name: str) -> str | None:
-    """Our parameter/buffer name for a checkpoint tensor name (None = skip it)."""
+def canonical_name(name: str, mtp: bool = False) -> str | None:
+    """Our parameter/buffer name for a checkpoint tensor name (None = skip it). mtp: the model has
+    its MTP layer (mtp.0.* -> mtp.*); without it every mtp.* tensor is skipped."""
     if name.startswith("model."):
         name = name[len("model.") :]
-    if name.startswith("mtp.") or name.startswith("mtp_"):
+    if name.startswith("mtp_"):
         return None
+    m = _MTP_LAYER.match(name)
+    if m:
+        if not mtp:
+            return None
+        if m.group(1) != "0":
+            raise ValueError(f"checkpoint tensor {name!r}: only one MTP layer (mtp.0) is supported")
+        rest = name[m.end() :]
+        if rest in _MTP_SHARED:
+            return None
+        name = "mtp." + rest
     if name.endswith(".scale") or name.endswith(".weight_scale_inv"):
         raise ValueError(
             f"checkpoint tensor {name!r} is an FP8 block scale, but config.json declares no quantization_config, "
@@ -43,7 +58,7 @@ def canonical_name(name: str) -> str | None:
         return "embed_tokens.weight"
     m = _HC_HEAD.match(name)
     if m:
-        return f"hc_head.hc_{m.group(1)}"
+        return f"{m.group(1) or ''}hc_head.hc_{m.group(2)}"
     m = _HC_LAYER.match(name)
     if m:
         return f"{m.group(1)}.hc_{m.group(2)}.{m.group(3)}"
@@ -52,15 +67,16 @@ def canonical_name(name: str) -> str | None:
 
 def load_v4_weights(
     model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor | BlockQuantizedTensor]],
-    local_name: Callable[[str], str] | None = None,
+    local_name: Callable[[str], str] | None = None, mtp: bool = False,
 ) -> None:
     """Copy the checkpoint's tensors into `model`. local_name: a tensor-parallel rank's renaming of
-    our names to its modules (its routed experts are numbered from 0; sharding.V4Shard)."""
+    our names to its modules (its routed experts are numbered from 0; sharding.V4Shard). mtp: load
+    the MTP layer (the model has one)."""
     targets = model.state_dict(keep_vars=True)  # parameters + persistent buffers (tid2eid, router bias)
     loaded: set[str] = set()
     installer = QuantizedWeightInstaller(model)
     for ckpt_name, tensor in weights:
-        name = canonical_name(ckpt_name)
+        name = canonical_name(ckpt_name, mtp)
         if name is None:
             continue
         if local_name is not None:
