@@ -146,5 +146,15 @@ def test_what_mtp_does_not_support_is_refused(v4, tmp_path, tiny_ckpt):
         LLM(v4, speculative_config=dict(SPEC, prompt_lookup_max=3), **KW)
     with pytest.raises(ValueError, match="at most 7"):
         LLM(v4, speculative_config=dict(SPEC, num_speculative_tokens=8), **KW)
-    with pytest.raises(ValueError, match="HiSparse"):
-        LLM(v4, speculative_config=SPEC, enable_hisparse=True, **KW)
+
+
+def test_hisparse_with_mtp_drafts_keeps_the_tokens(v4):
+    """HiSparse with a top-k-sized hot buffer: the MTP layer (sliding-window only) reads no C4
+    entry, and verified chunks never enter the hot buffers; two passes equal plain decoding."""
+    plain = LLM(v4, **KW)
+    prompts = _prompts(plain.engine.runner.config.vocab_size)
+    want = _tokens(plain, prompts, sampled=True)
+    spec = LLM(v4, speculative_config=SPEC, enable_hisparse=True, hisparse_config={"hot_buffer_size": 8}, **KW)
+    assert [_tokens(spec, prompts, sampled=True) for _ in range(2)] == [want, want]
+    assert spec.engine.stats["spec_draft_tokens"] > 0
+    assert spec.engine.runner.hot_buffers.stats.handoffs > 0 and spec.engine.runner.hot_buffers.num_active == 0
