@@ -42,6 +42,13 @@ never by batch x longest context:
     read in place, as a view of the cache, not gathered; only the key columns a query may not
     see are masked (the chunk's own tail and the window's edge, at most a tile's width each),
     never the whole prefix.
+
+FP8 KV caches (kv_cache_dtype, attention_backends/kv_cache_dtype.py): every write quantizes
+(saturating, scale 1.0: the C++ writer, or clamp + cast), and every read dequantizes: the C++
+kernels load the FP8 bytes and widen them to float32 in their inner loops, the torch paths widen
+each gathered block to the query's dtype, and a chunk's own K/V are attended as the cache holds
+them (quantized and widened back), so a prefix read from the cache and the same prefix computed
+in the chunk are the same numbers.
 """
 from __future__ import annotations
 
@@ -53,6 +60,7 @@ import torch.nn.functional as F
 from hybridkv.attention_backends.backend import AttentionBackend
 from hybridkv.attention_backends.cpu_kernels import (load_paged_attention, load_prefill_attention,
                                                      load_prefill_attention_bf16, load_write_kv)
+from hybridkv.attention_backends.kv_cache_dtype import as_stored, byte_view, dequantize_kv, is_fp8, quantize_kv
 from hybridkv.attention_backends.metadata import (AttentionMetadata, DecodeTile, PrefillSeq, TileSizes,
                                                   prefill_row_groups)
 from hybridkv.block_manager.space_spec import window_start
@@ -159,6 +167,7 @@ class TorchNativeAttention(AttentionBackend):
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decodes(q[:nd], k_cache, v_cache, meta, sm, scale)
+        k, v = as_stored(k, k_cache.dtype), as_stored(v, v_cache.dtype)  # the chunks' own keys, as read back
         for p in sm.prefills:
             out[p.query_start : p.query_end] = self._prefill(q, k, v, k_cache, v_cache, p, sm.window, scale, meta.tiles)
         return out if out_rows is None else out[out_rows]
@@ -195,13 +204,20 @@ class TorchNativeAttention(AttentionBackend):
           EPYC, the same prompt: see cpu_kernels/bf16_products_avx512.h);
         - float32, or bfloat16 where the CPU has no bf16 dot products, head size a multiple of 16
           (whole vectors on either ISA): the float32-FMA kernel (prefill_attention.cpp);
-        - bfloat16 with bf16 dot products and another head size: None, SDPA's bf16 flash attention.
+        - bfloat16 with bf16 dot products and another head size: None, SDPA's bf16 flash attention;
+        - an FP8 cache: the float32-FMA kernel (float32 or bfloat16 queries), which widens the
+          cache's bytes as it reads them.
           (Which of SDPA and the float32-FMA kernel wins there depends on the CPU, measured at D
           64 only: SDPA on the Intel AMX VM, workload c 0.34 vs 0.44 s; the kernel on the Zen 4
           EPYC, 0.82 vs 0.98 s. Other head sizes are not measured.)"""
-        if not (q.is_cpu and k_cache.is_cpu and q.dtype == k_cache.dtype and k_cache.stride(-1) == 1):
+        if not (q.is_cpu and k_cache.is_cpu and k_cache.stride(-1) == 1):
             return None
         head = q.shape[-1]
+        if is_fp8(k_cache.dtype):  # widened to float32 as it is read, whatever q's dtype: the FMA kernel
+            takes = q.dtype in (torch.float32, torch.bfloat16) and head % 16 == 0
+            return self._prefill_kernel if takes else None
+        if q.dtype != k_cache.dtype:
+            return None
         if q.dtype == torch.bfloat16 and _native_bf16_matmuls():
             takes = self._prefill_bf16 is not None and head % 64 == 0 and head <= 256
             return self._prefill_bf16 if takes else None
@@ -212,14 +228,16 @@ class TorchNativeAttention(AttentionBackend):
     def _write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                slots: torch.Tensor) -> None:
         """The step's K/V rows into their slots: the C++ copy when it applies (CPU tensors, rows
-        contiguous per head), else index_copy_ (its reference)."""
+        contiguous per head; into an FP8 cache it quantizes, as quantize_kv), else index_copy_ (its
+        reference; FP8 bytes copied as uint8, which torch's index_copy_ takes)."""
         if (self._write_kv is not None and k.is_cpu and k_cache.is_cpu and slots.dtype == torch.int64
                 and slots.is_contiguous() and k.stride(-1) == 1 and v.stride(-1) == 1
                 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1):
             self._write_kv(k_cache, v_cache, slots, k, v)
             return
-        k_cache.index_copy_(1, slots, k.transpose(0, 1))
-        v_cache.index_copy_(1, slots, v.transpose(0, 1))
+        k, v = quantize_kv(k, k_cache.dtype), quantize_kv(v, v_cache.dtype)
+        byte_view(k_cache).index_copy_(1, slots, byte_view(k).transpose(0, 1))
+        byte_view(v_cache).index_copy_(1, slots, byte_view(v).transpose(0, 1))
 
     # -- decode --------------------------------------------------------------------------------
     def _decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -372,8 +390,8 @@ def _decode_tile(
     each [G, Hkv, grp, *], for the split-KV merge."""
     G, H, D = q.shape
     hkv = k_cache.shape[0]
-    kd = gather_slots(k_cache, tile.slots)  # [Hkv, G, W, D], contiguous
-    vd = gather_slots(v_cache, tile.slots)
+    kd = dequantize_kv(gather_slots(k_cache, tile.slots), q.dtype)  # [Hkv, G, W, D], contiguous
+    vd = dequantize_kv(gather_slots(v_cache, tile.slots), q.dtype)
     qg = q.view(G, hkv, H // hkv, D).transpose(0, 1)  # [Hkv, G, grp, D]
     if q.dtype != torch.float32 and kd.numel() <= _SMALL_DECODE_ELEMENTS:
         # Small reduced-precision matmuls pay a fixed oneDNN cost larger than the work
@@ -448,8 +466,8 @@ def _prefill_after_context(
         # zeros, so query i sits at row context + i and sees keys [0, context + i]. The padding
         # costs at most 1/16 of the call; it saves the second call and the merge.
         slots = p.key_slots[:context]
-        k_all = torch.cat((gather_slots(k_cache, slots), kc.transpose(0, 1)), dim=1).unsqueeze(0)
-        v_all = torch.cat((gather_slots(v_cache, slots), vc.transpose(0, 1)), dim=1).unsqueeze(0)
+        k_all = torch.cat((dequantize_kv(gather_slots(k_cache, slots), kc.dtype), kc.transpose(0, 1)), dim=1)[None]
+        v_all = torch.cat((dequantize_kv(gather_slots(v_cache, slots), vc.dtype), vc.transpose(0, 1)), dim=1)[None]
         q_all = qc.new_zeros(1, qc.shape[1], context + n, qc.shape[2])
         q_all[0, :, context:] = qc.transpose(0, 1)
         return _flash(q_all, k_all, v_all, True, scale)[0][0, :, context:].transpose(0, 1)
@@ -457,20 +475,23 @@ def _prefill_after_context(
     acc, m = _flash(qh, kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0), True, scale)
     acc, l = acc.float(), torch.ones_like(m)
     for c0, c1, slot in p.key_blocks(0, p.start - p.key_start, sizes.kv_chunk, sizes.min_view_keys):
-        kd, vd = _key_block(k_cache, v_cache, p, c0, c1, slot)
+        kd, vd = _key_block(k_cache, v_cache, p, c0, c1, slot, qc.dtype)
         o, lse = _flash(qh, kd.unsqueeze(0), vd.unsqueeze(0), False, scale)
         m, l = _merge_block(acc, m, l, o, lse)
     return acc.div_(l.unsqueeze(-1)).to(qc.dtype)[0].transpose(0, 1)
 
 
 def _key_block(k_cache: torch.Tensor, v_cache: torch.Tensor, p: PrefillSeq, c0: int, c1: int,
-               slot: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [Hkv, c1 - c0, D] of keys p.key_slots[c0:c1], one of p.key_blocks: a view of the
-    cache when its slots are consecutive (slot: the first), else gathered."""
+               slot: int | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [Hkv, c1 - c0, D] of keys p.key_slots[c0:c1], one of p.key_blocks, in `dtype`: a
+    view of the cache when its slots are consecutive (slot: the first), else gathered (an FP8
+    cache's block widened to `dtype` either way)."""
     if slot is None:
         slots = p.key_slots[c0:c1]
-        return gather_slots(k_cache, slots), gather_slots(v_cache, slots)
-    return k_cache[:, slot : slot + c1 - c0], v_cache[:, slot : slot + c1 - c0]
+        kd, vd = gather_slots(k_cache, slots), gather_slots(v_cache, slots)
+    else:
+        kd, vd = k_cache[:, slot : slot + c1 - c0], v_cache[:, slot : slot + c1 - c0]
+    return dequantize_kv(kd, dtype), dequantize_kv(vd, dtype)
 
 
 def _merge_block(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, o: torch.Tensor,
@@ -521,7 +542,7 @@ def _prefill_tile(
         if r0 >= r1:
             continue
         for c0, c1, slot in p.key_blocks(r0, r1, chunk, min_view):
-            kd, vd = _key_block(k_cache, v_cache, p, c0, c1, slot)
+            kd, vd = _key_block(k_cache, v_cache, p, c0, c1, slot, qt.dtype)
             mask, blind = _edge_mask(p, q_first, n, c0, c1, window, grp, qt) if edge else (None, None)
             o, lse = _attend_block(qg, kd.unsqueeze(0), vd.unsqueeze(0), mask, scale)
             if blind is not None:

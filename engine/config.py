@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from hybridkv.attention_backends.kv_cache_dtype import validate_kv_cache_dtype_name
 from hybridkv.attention_backends.registry import validate_attention_backend_name
 from hybridkv.engine.gap_budget import check_step_seconds
 from hybridkv.engine.kv_event_publisher import KVEventsConfig
@@ -37,6 +38,10 @@ def resolve_device(name: str) -> torch.device:
 class EngineConfig:
     model: str | None = None  # HF checkpoint folder; None = the built-in demo model
     dtype: str = "auto"
+    # The KV pools' element type (vLLM's names): "auto" = the model's dtype; "fp8" / "fp8_e4m3" /
+    # "fp8_e5m2" = one byte an element, scale 1.0 (attention_backends/kv_cache_dtype.py): twice
+    # the pages of a bfloat16 cache in the same budget. Dense models (Llama family, Gemma 3) only.
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     # Tokens per KV page. None = the model's default page size (16 for dense models, 128 for
     # DeepSeek-V4); an explicit value the model cannot use is an error, never silently changed.
@@ -134,6 +139,7 @@ class EngineConfig:
         self.nnodes, self.node_rank, self.dist_init_addr = resolve_nodes(
             self.tensor_parallel_size, self.nnodes, self.node_rank, self.dist_init_addr)
         validate_attention_backend_name(self.attention_backend)
+        validate_kv_cache_dtype_name(self.kv_cache_dtype)
         resolve_device(self.device)  # a device this machine lacks fails before the model loads
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None, got {self.num_threads}")

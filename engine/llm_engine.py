@@ -78,7 +78,7 @@ class LLMEngine:
         # Everything that needs only the model's shape is planned and checked before the weights
         # load (config.json, on the meta device): a budget too small fails in a second.
         skeleton = model_skeleton(model_dir, config.dtype, config.max_model_len, device, config.attention_backend,
-                                  parallel, mtp=mtp_wanted(config))
+                                  parallel, mtp=mtp_wanted(config), kv_cache_dtype=config.kv_cache_dtype)
         self.max_model_len = skeleton.max_model_len
         self.speculative, specs = speculation_config(config, skeleton.specs)  # refused before the weights load
         memory = plan_kv_memory(config, specs, skeleton.model, self.max_model_len)

@@ -40,7 +40,7 @@ def make_storage_tier(config: EngineConfig, kv: KVCacheManager, runner: ModelRun
     configuration's KV fingerprint (set on the index before any node exists)."""
     parallel = runner.parallel  # a stored page holds every rank's shard: the group's size is part of its identity
     fp = kv_fingerprint(model_dir, str(runner.dtype), kv.page_size, specs, runner.host_cache.page_layout,
-                        tp_size=parallel.size if parallel is not None else 1)
+                        tp_size=parallel.size if parallel is not None else 1, kv_dtype=str(runner.kv_dtype))
     # The file store's directory defaults to beside the demo model, under HYBRIDKV_CACHE_DIR; the
     # extra config (JSON text from the CLI, or a dict) overrides it (make_backend parses both).
     from hybridkv.model_executor.demo_model import default_cache_dir

@@ -265,7 +265,7 @@ def worker_specs(config: EngineConfig, model_dir: str, device: torch.device, lay
     return [WorkerSpec(rank, layout.size, store_port, backend, timeout_s, threads, model_dir, config.dtype,
                        config.max_model_len, config.seed, config.attention_backend,
                        f"cuda:{layout.local_index(rank)}" if device.type == "cuda" else "cpu",
-                       config.enable_expert_parallel, layout.host)
+                       config.enable_expert_parallel, layout.host, config.kv_cache_dtype)
             for rank in layout.local_ranks]
 
 

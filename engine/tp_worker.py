@@ -48,6 +48,7 @@ class WorkerSpec:
     device: str  # "cpu" or "cuda:<the rank's index on its node>"
     expert_parallel: bool = False  # EngineConfig.enable_expert_parallel
     store_host: str = "127.0.0.1"  # node 0's address (dist_init_addr) when the ranks span nodes
+    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ def shared_settings(spec: WorkerSpec) -> dict[str, object]:
     except OSError:
         checkpoint = "unreadable"
     return {"tensor_parallel_size": spec.size, "backend": spec.backend, "dtype": spec.dtype,
-            "max_model_len": spec.max_model_len, "attention_backend": spec.attention_backend,
+            "kv_cache_dtype": spec.kv_cache_dtype, "max_model_len": spec.max_model_len, "attention_backend": spec.attention_backend,
             "expert_parallel": spec.expert_parallel, "config.json sha256": checkpoint}
 
 
@@ -210,6 +211,7 @@ def worker_main(spec: WorkerSpec) -> None:
         os._exit(1)
     runner = ModelRunner(spec.model_dir, spec.dtype, spec.max_model_len, spec.seed,
                          attention_backend=spec.attention_backend, device=spec.device,
+                         kv_cache_dtype=spec.kv_cache_dtype,
                          parallel=TensorParallel(spec.rank, spec.size, spec.expert_parallel))
     try:
         serve(runner, messages)

@@ -46,12 +46,16 @@ def byte_size(text: str) -> int:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from hybridkv.attention_backends.kv_cache_dtype import KV_CACHE_DTYPE_CHOICES
     from hybridkv.attention_backends.registry import ATTENTION_BACKEND_CHOICES
     from hybridkv.block_manager.eviction_policy import POLICIES as EVICTION_POLICIES
     from hybridkv.engine.scheduling_policy import POLICIES as SCHEDULING_POLICIES
 
     p.add_argument("--model", default=None, help="HF checkpoint folder (default: built-in SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPE_CHOICES),
+                   help="KV cache element type: auto (the model's dtype), or fp8 (= fp8_e4m3) / fp8_e5m2, one "
+                        "byte an element (twice the pages of bfloat16 in the same budget; dense models only)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV page (default: the model's page size, 16 for dense models, 128 for DeepSeek-V4)")
@@ -165,6 +169,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 template = f.read()
     kwargs = dict(
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,

@@ -76,6 +76,7 @@ class LLM:
         model: str | None = None,
         *,
         dtype: str = "auto",
+        kv_cache_dtype: str = "auto",
         max_model_len: int | None = None,
         block_size: int | None = None,
         enable_prefix_caching: bool = True,
@@ -121,6 +122,7 @@ class LLM:
             EngineConfig(
                 model=model,
                 dtype=dtype,
+                kv_cache_dtype=kv_cache_dtype,
                 max_model_len=max_model_len,
                 block_size=block_size,
                 enable_prefix_caching=enable_prefix_caching,

@@ -13,7 +13,8 @@ Python work of a whole layer.
 It takes a step only where the layer-by-layer path would run exactly those kernels:
 - CPU kernels built (fused ops, blocked linear, paged attention) and HYBRIDKV_FUSED_DECODE not 0;
 - every layer a Llama decoder layer (with or without Qwen3's q/k norms), SiLU MLP, plain RMSNorm
-  of one eps; a plain final RMSNorm and an nn.Embedding; all in the model's dtype;
+  of one eps; a plain final RMSNorm and an nn.Embedding; all in the model's dtype (the KV caches
+  too, or FP8: kv_cache_dtype, which write_kv quantizes into and paged_attention widens back);
 - or every layer a Gemma 3 decoder layer: unit-offset RMSNorms (four a layer, q/k norms, the
   final norm) of one eps, GELU-tanh MLP, the scaled embedding, one RoPE table per layer type;
 - every projection on the blocked linear (bf16: PackedLinearWeight's vdpbf16ps path on CPUs with
@@ -30,6 +31,7 @@ import torch
 
 from hybridkv.attention_backends.cpu_kernels import load_paged_attention_module
 from hybridkv.attention_backends.cpu_kernels.build import switch_on
+from hybridkv.attention_backends.kv_cache_dtype import FP8_DTYPES
 from hybridkv.attention_backends.metadata import AttentionMetadata
 from hybridkv.attention_backends.torch_native import TorchNativeAttention
 from hybridkv.model_executor.cpu_kernels import blocked_linear_ops, decode_layers_ops, fused_ops
@@ -213,7 +215,8 @@ class FusedDecode:
         for layer in self.layers:
             a = layer.self_attn
             if (not isinstance(a.backend, TorchNativeAttention) or not a.backend.paged_decode_in_use
-                    or a.k_cache is None or a.k_cache.dtype != self.dtype or a.k_cache.stride(-1) != 1
+                    or a.k_cache is None or a.k_cache.dtype not in (self.dtype, *FP8_DTYPES)
+                    or a.k_cache.stride(-1) != 1
                     or a.v_cache.stride(-1) != 1):
                 self._bound = None
                 return None

@@ -28,11 +28,16 @@ take_loads() hands them to the runner; anything else that touches device KV firs
 finish_loads() (apply does). Host page ids are
 0..host_pages-1, all usable (the host has no null page); device page 0 is the device null page
 and is never a copy source or target.
+
+An FP8 KV cache (kv_cache_dtype) moves as the bytes it stores: FP8 tensors are scattered as
+uint8 views (torch has no index_copy_ for FP8), so a page loaded back is bit for bit the page
+written out.
 """
 from __future__ import annotations
 
 import torch
 
+from hybridkv.attention_backends.kv_cache_dtype import byte_view
 from hybridkv.block_manager.space_spec import NULL_PAGE
 from hybridkv.block_manager.kv_plan import TierTransfers
 from hybridkv.model_executor.kv_loads import PendingKVLoads
@@ -205,7 +210,7 @@ class HostKVCache:
             for t, h in zip(tensors, self.host[name]):
                 pd = t.dim() - 2
                 g = self._paged(t, name).index_select(pd, dev_idx.to(t.device))
-                self._paged(h, name).index_copy_(pd, host_idx, g.to("cpu"))
+                byte_view(self._paged(h, name)).index_copy_(pd, host_idx, byte_view(g.to("cpu")))
 
     def _to_device(self, name: str, host_ids: list[int], dev_ids: list[int], loads: PendingKVLoads) -> None:
         """One load unit per layer slice of each device tensor (see the module docstring): a
@@ -242,13 +247,13 @@ class HostKVCache:
         paged = self._paged(unit, name)
         page_shape = paged.shape[:pd] + paged.shape[pd + 1 :]
         src = data.contiguous().view(unit.dtype).view(len(host_idx), *page_shape).movedim(0, pd)
-        paged.index_copy_(pd, dev_idx(unit.device), src)
+        byte_view(paged).index_copy_(pd, dev_idx(unit.device), byte_view(src))
 
     def _load_layer_first(self, name: str, unit: torch.Tensor, hu: torch.Tensor, host_idx: torch.Tensor,
                           dev_idx) -> None:
         pd = unit.dim() - 2
         src = self._host_gather(self._paged(hu, name), pd, host_idx, unit.device)
-        self._paged(unit, name).index_copy_(pd, dev_idx(unit.device), src)
+        byte_view(self._paged(unit, name)).index_copy_(pd, dev_idx(unit.device), byte_view(src))
 
     def _host_gather(self, h: torch.Tensor, dim: int, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
         """index_select of host pages, moved to `device` (asynchronously from pinned staging)."""
@@ -297,7 +302,7 @@ class HostKVCache:
             paged = self._paged(h, name)
             page_shape = paged.shape[:pd] + paged.shape[pd + 1 :]
             src = data[:, off : off + tb].contiguous().view(h.dtype).view(len(pages), *page_shape).movedim(0, pd)
-            paged.index_copy_(pd, idx, src)
+            byte_view(paged).index_copy_(pd, idx, byte_view(src))
             off += tb
 
 

@@ -23,6 +23,7 @@ from hybridkv.attention_backends.hybrid_metadata import KeySet
 from hybridkv.attention_backends.metadata import StepSequences
 from hybridkv.attention_backends.cpu_kernels.build import prebuild
 from hybridkv.attention_backends.hisparse_buffers import HotBuffers
+from hybridkv.attention_backends.kv_cache_dtype import is_fp8, resolve_kv_cache_dtype
 from hybridkv.attention_backends.registry import check_attention_backend, get_attention_backend
 from hybridkv.block_manager.kv_plan import KVCacheLayout, KVPlan, TierTransfers
 from hybridkv.model_executor.host_kv_cache import HostKVCache
@@ -96,13 +97,15 @@ def resolve_max_model_len(config, max_model_len: int | None) -> int:
 @dataclass
 class ModelSkeleton:
     """What the engine plans KV memory from, read from config.json alone: the model built on the
-    meta device (no weights, no memory), its dtype, context length and block spaces."""
+    meta device (no weights, no memory), its dtype, context length and block spaces, and the
+    dtype its KV pools are stored in (kv_dtype: the model's, or FP8 with kv_cache_dtype)."""
 
     config: object  # the checkpoint's config (transformers' PretrainedConfig)
     model: CausalLM
     dtype: torch.dtype
     max_model_len: int
     specs: list[SpaceSpec]
+    kv_dtype: torch.dtype
     mtp: bool = False  # built with the checkpoint's MTP layer (speculative decoding's drafter)
 
 
@@ -123,7 +126,8 @@ def build_model(cls: type[CausalLM], config, max_positions: int, parallel: Tenso
 
 def model_skeleton(model_dir: str, dtype: str | torch.dtype, max_model_len: int | None,
                    device: torch.device | str, attention_backend: str = "auto",
-                   parallel: TensorParallel | None = None, mtp: bool = False) -> ModelSkeleton:
+                   parallel: TensorParallel | None = None, mtp: bool = False,
+                   kv_cache_dtype: str = "auto") -> ModelSkeleton:
     """The model of model_dir as ModelRunner will build it, on the meta device: in well under a
     second, so every check that needs only its shape runs before the weights load (the attention
     backend's first of all). parallel: rank 0's shard (every rank's KV shard has its shape).
@@ -133,11 +137,28 @@ def model_skeleton(model_dir: str, dtype: str | torch.dtype, max_model_len: int 
     resolved = resolve_dtype(dtype, config, torch.device(device))
     max_len = resolve_max_model_len(config, max_model_len)
     cls = resolve_model_class(config)
+    kv_dtype = kv_cache_dtype_for(cls, kv_cache_dtype, resolved, attention_backend)
     if mtp:
         check_mtp(cls, model_dir, parallel)
     with torch.device("meta"), SkipRandomInit():
         model = build_model(cls, config, max_len, parallel, mtp)
-    return ModelSkeleton(config, model, resolved, max_len, model.space_specs(resolved), mtp)
+    return ModelSkeleton(config, model, resolved, max_len, model.space_specs(kv_dtype), kv_dtype, mtp)
+
+
+def kv_cache_dtype_for(cls: type[CausalLM], kv_cache_dtype: str, dtype: torch.dtype, attention_backend: str) -> torch.dtype:
+    """The dtype cls's KV pools are stored in (kv_cache_dtype's name resolved against the model
+    dtype), or ValueError naming kv_cache_dtype and the path that cannot read an FP8 cache."""
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+    if is_fp8(kv_dtype):
+        missing = cls.fp8_kv_cache_refusal()
+        if missing is not None:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported for {cls.__name__}: {missing}; "
+                             "use kv_cache_dtype='auto'")
+        if attention_backend == "xformers":
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported by the xformers attention backend "
+                             "(its kernels read K/V in the model dtype); use attention_backend='torch_native' or "
+                             "'triton', or kv_cache_dtype='auto'")
+    return kv_dtype
 
 
 class ModelRunner:
@@ -154,11 +175,14 @@ class ModelRunner:
         skeleton: ModelSkeleton | None = None,
         parallel: TensorParallel | None = None,
         mtp: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """`skeleton`: the engine's model_skeleton of the same arguments, whose config, dtype, context
         length and MTP choice are taken as they are (resolved and logged once). `parallel`: this rank of
         a tensor-parallel group: the runner builds and loads its shard, and only rank 0 samples.
-        `mtp`: with the checkpoint's MTP layer, which drafts for speculative decoding (propose_mtp)."""
+        `mtp`: with the checkpoint's MTP layer, which drafts for speculative decoding (propose_mtp).
+        `kv_cache_dtype`: "auto" or an FP8 format (attention_backends/kv_cache_dtype.py); with a
+        skeleton, the skeleton's KV dtype is taken instead."""
         self.device = torch.device(device)
         self.parallel = parallel
         if self.device.type == "cpu":  # each layer's activations are freed and allocated again
@@ -179,6 +203,9 @@ class ModelRunner:
         mtp = skeleton.mtp if skeleton is not None else mtp
         if mtp and skeleton is None:
             check_mtp(cls, model_dir, parallel)
+        # The KV pools' dtype: the model's, or FP8 (kv_cache_dtype), refused before the load where unsupported.
+        self.kv_dtype = (kv_cache_dtype_for(cls, kv_cache_dtype, self.dtype, attention_backend) if skeleton is None
+                         else skeleton.kv_dtype)
         # The C++ kernels this model uses compile side by side (once per build environment)
         # while the backend is resolved and the weights load; each caller waits for its own.
         self.kernel_builds = prebuild(cls.cpu_kernel_loaders(self.dtype) if self.device.type == "cpu" else [])
@@ -249,14 +276,15 @@ class ModelRunner:
 
     # -- KV cache --------------------------------------------------------------------------
     def space_specs(self) -> list[SpaceSpec]:
-        return self.model.space_specs(self.dtype)
+        return self.model.space_specs(self.kv_dtype)
 
     def bind_kv_cache(self, layout: KVCacheLayout, prefault: bool = False) -> None:
         """Allocate each space's physical tensors (the model's hook) and bind them to its layers;
         prefault: on huge pages, touched now (huge_pages.kv_pool_on), rather than taken lazily."""
         self.layout = layout
         self.windows = layout.windows
-        self.kv_caches = self.model.allocate_kv_cache(layout, self.backend, self.dtype, self.device, prefault=prefault)
+        self.kv_caches = self.model.allocate_kv_cache(layout, self.backend, self.kv_dtype, self.device,
+                                                      prefault=prefault)
 
     @property
     def hot_buffers(self) -> HotBuffers | None:

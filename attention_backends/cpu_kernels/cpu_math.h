@@ -2,8 +2,11 @@
 // this file in front of each kernel's source, so a change here rebuilds every kernel.
 #pragma once
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -59,8 +62,45 @@ inline vfloat load_vec(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit sh
   return v;
 #endif
 }
+// FP8 KV cache bytes -> float32, exact (kv_cache_dtype; scale 1.0). e5m2 is the high byte of an
+// IEEE half, so a byte shifted left by 8 is that half. e4m3fn's low 7 bits shifted left by 7 are a
+// half with the same 3-bit mantissa and an exponent field that is the same number against bias 15
+// instead of 7 (subnormals included), i.e. the value times 2^-8; the sign goes to bit 15, and the
+// widened float is scaled back by 2^8. The half -> float step is F16C's vcvtph2ps. (e4m3fn's NaN
+// byte, 0x7F/0xFF, reads as +-480 here: the writers saturate to +-448 and store it only for a NaN
+// input.) Without F16C (the loader's "base" build) the lanes go through c10's conversion.
+#if defined(__AVX512F__) || defined(__F16C__)
+template <bool E4M3>
+inline vfloat load_fp8_vec(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256i h;
+  if constexpr (E4M3)
+    h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                        _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  else
+    h = _mm256_slli_epi16(b, 8);
+  __m512 f = _mm512_cvtph_ps(h);
+  if constexpr (E4M3) f = _mm512_mul_ps(f, _mm512_set1_ps(256.f));
+  return (vfloat)f;
+#else
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  __m128i h;
+  if constexpr (E4M3)
+    h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7),
+                     _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+  else
+    h = _mm_slli_epi16(b, 8);
+  __m256 f = _mm256_cvtph_ps(h);
+  if constexpr (E4M3) f = _mm256_mul_ps(f, _mm256_set1_ps(256.f));
+  return (vfloat)f;
+#endif
+}
+inline vfloat load_vec(const c10::Float8_e4m3fn* p) { return load_fp8_vec<true>(reinterpret_cast<const uint8_t*>(p)); }
+inline vfloat load_vec(const c10::Float8_e5m2* p) { return load_fp8_vec<false>(reinterpret_cast<const uint8_t*>(p)); }
+#endif
 template <typename scalar_t>
-inline vfloat load_vec(const scalar_t* p) {  // other types (fp16): widened lane by lane
+inline vfloat load_vec(const scalar_t* p) {  // other types (fp16; FP8 without F16C): widened lane by lane
   vfloat v;
   for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
   return v;
@@ -106,11 +146,19 @@ inline vfloat round_vec(vfloat v) {
   return v;
 }
 
-// A scalar of any element type the kernels read (float, c10::BFloat16, c10::Half) as float.
+// A scalar of any element type the kernels read (float, c10::BFloat16, c10::Half, the FP8 types) as float.
 template <typename T>
 inline float to_float(T x) {
   return static_cast<float>(x);
 }
+// x as an FP8 cache stores it (kv_cache_dtype): clamped to the format's finite range, then c10's
+// round-to-nearest-even conversion, the bits torch's x.clamp(-max, max).to(fp8) gives.
+template <typename fp8_t>
+inline fp8_t saturate_to_fp8(float x) {
+  constexpr float limit = std::is_same<fp8_t, c10::Float8_e4m3fn>::value ? 448.f : 57344.f;
+  return fp8_t(std::min(std::max(x, -limit), limit));  // NaN stays NaN, as torch.clamp leaves it
+}
+
 inline float hsum(vfloat v) {
   float s = 0.f;
   for (int i = 0; i < kLanes; ++i) s += v[i];

@@ -188,11 +188,11 @@ __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) void block_score
 
 // The two loops for any head size: the vectorized ones where D is 4, 8 or 16 vectors, else plain.
 // q_raw: the query row as the model gave it (for the bf16 dot-product path); q: widened and scaled.
-template <typename scalar_t>
-void scores_row(const float* q, const scalar_t* q_raw, float scale, const scalar_t* const* keys, float* s, int64_t lo,
+template <typename scalar_t, typename cache_t>
+void scores_row(const float* q, const scalar_t* q_raw, float scale, const cache_t* const* keys, float* s, int64_t lo,
                 int64_t hi, int64_t D) {
 #if defined(__AVX512F__)
-  if constexpr (std::is_same<scalar_t, c10::BFloat16>::value) {
+  if constexpr (std::is_same<scalar_t, c10::BFloat16>::value && std::is_same<cache_t, c10::BFloat16>::value) {
     if (hybridkv_cpu::cpu_has_avx512_bf16()) switch (D * (D % 32 == 0)) {
         case 64: return block_scores_dpbf16<2>(q_raw, scale, keys, s, lo, hi);
         case 128: return block_scores_dpbf16<4>(q_raw, scale, keys, s, lo, hi);
@@ -222,11 +222,11 @@ void values_all(float* acc, const float* p, int64_t ldp, const scalar_t* const* 
       if (p[r * ldp + t] > 0.f) axpy(acc + r * D, p[r * ldp + t], values[t], D);
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& block_table, const torch::Tensor& group_start, const torch::Tensor& group_row,
          const torch::Tensor& positions, int64_t page_size, int64_t window, double scale) {
-  const hybridkv_cpu::PagedGroups<scalar_t> c(out, q, k_cache, v_cache, block_table, group_start, group_row,
+  const hybridkv_cpu::PagedGroups<scalar_t, cache_t> c(out, q, k_cache, v_cache, block_table, group_start, group_row,
                                              positions, page_size, window, scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
@@ -240,9 +240,9 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   // Per thread, two buffers: the addresses of one block's key and value rows, looked up through
   // the pages once for all the group's rows; the next block's are looked up (and prefetched)
   // while this one is computed.
-  std::vector<const scalar_t*> row_ptrs(static_cast<size_t>(at::get_num_threads()) * 4 * kBlock);
+  std::vector<const cache_t*> row_ptrs(static_cast<size_t>(at::get_num_threads()) * 4 * kBlock);
 
-  const int64_t row_bytes = c.D * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t row_bytes = c.D * static_cast<int64_t>(sizeof(cache_t));
   // Keys an item reads: [window_start(first row), last row's position].
   auto item_first = [&](int64_t item) { return c.window_start(c.pos[c.gs[item / c.Hkv]]); };
   auto item_last = [&](int64_t item) { return static_cast<int64_t>(c.pos[c.gs[item / c.Hkv + 1] - 1]); };
@@ -261,7 +261,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   // machine and caches, a layer, before -> after: bf16 15 decodes of ~550 keys 379-401 -> 325-348
   // us, 32 of 150-280 397-416 -> 328-386, 8 of ~2,000 755-769 -> 548-569; float32 667-780 ->
   // 580-665, 604-662 -> 530-542, 1,298-1,405 -> 1,049-1,116; cache-resident unchanged).
-  auto look_up = [&](int64_t item, int64_t b0, int64_t bl, const scalar_t** keys, const scalar_t** values) {
+  auto look_up = [&](int64_t item, int64_t b0, int64_t bl, const cache_t** keys, const cache_t** values) {
     const int64_t g = item / c.Hkv, h = item % c.Hkv;
     const int32_t* row_pages = c.bt + c.gr[g] * c.bt_stride;
     for (int64_t t = b0; t < b0 + bl;) {
@@ -269,8 +269,8 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       TORCH_CHECK(pi < c.bt_width, "position ", t, " is past the block table's ", c.bt_width, " pages");
       const int64_t n = std::min<int64_t>(page_size - off, b0 + bl - t);
       const int64_t slot = static_cast<int64_t>(row_pages[pi]) * page_size + off;
-      const scalar_t* kr = c.kp + h * c.kh + slot * c.ks;
-      const scalar_t* vr = c.vp + h * c.vh + slot * c.vs;
+      const cache_t* kr = c.kp + h * c.kh + slot * c.ks;
+      const cache_t* vr = c.vp + h * c.vh + slot * c.vs;
       for (int64_t i = 0; i < n; ++i, ++t) {
         keys[t - b0] = kr + i * c.ks;
         values[t - b0] = vr + i * c.vs;
@@ -278,7 +278,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
     }
   };
   // `item`'s first block into keys/values; returns its number of keys.
-  auto look_up_first = [&](int64_t item, const scalar_t** keys, const scalar_t** values) {
+  auto look_up_first = [&](int64_t item, const cache_t** keys, const cache_t** values) {
     const int64_t f = item_first(item), n = std::min<int64_t>(kBlock, item_last(item) - f + 1);
     look_up(item, f, n, keys, values);
     return n;
@@ -290,9 +290,9 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
     float* acc = scores + max_rows * kBlock;
     float* m = acc + max_rows * c.D;
     float* l = m + max_rows;
-    const scalar_t** buf = row_ptrs.data() + at::get_thread_num() * 4 * kBlock;
+    const cache_t** buf = row_ptrs.data() + at::get_thread_num() * 4 * kBlock;
     int cur = 0;  // which half of buf holds the block about to be computed
-    NextRows<scalar_t>{buf, buf + kBlock, look_up_first(begin, buf, buf + kBlock), row_bytes}.fetch_from(0);
+    NextRows<cache_t>{buf, buf + kBlock, look_up_first(begin, buf, buf + kBlock), row_bytes}.fetch_from(0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / c.Hkv, h = item % c.Hkv;
       const int64_t r0 = c.gs[g], r1 = c.gs[g + 1];
@@ -312,15 +312,15 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       std::fill(acc, acc + nr * c.D, 0.f);
       for (int64_t b0 = first; b0 <= last; b0 += kBlock) {
         const int64_t bl = std::min<int64_t>(kBlock, last - b0 + 1);
-        const scalar_t** keys = buf + cur * 2 * kBlock;
-        const scalar_t** values = keys + kBlock;
+        const cache_t** keys = buf + cur * 2 * kBlock;
+        const cache_t** values = keys + kBlock;
         // The next block's rows (the rest of this item's keys, or the next item's first block)
         // are looked up now and prefetched a key at a time while this block's values are summed
         // (NextRows), so they arrive during this block's arithmetic.
         cur ^= 1;
-        const scalar_t** next_keys = buf + cur * 2 * kBlock;
-        const scalar_t** next_values = next_keys + kBlock;
-        NextRows<scalar_t> next{next_keys, next_values, 0, row_bytes};
+        const cache_t** next_keys = buf + cur * 2 * kBlock;
+        const cache_t** next_values = next_keys + kBlock;
+        NextRows<cache_t> next{next_keys, next_values, 0, row_bytes};
         if (b0 + kBlock <= last) {
           next.n = std::min<int64_t>(kBlock, last - b0 - kBlock + 1);
           look_up(item, b0 + kBlock, next.n, next_keys, next_values);
@@ -387,9 +387,42 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   auto out = torch::empty(q.sizes(), q.options());  // contiguous, whatever q's strides
   if (group_row.size(0) == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    run<scalar_t>(out, q, k_cache, v_cache, block_table, group_start, group_row, positions, page_size, window, scale);
+    // An FP8 cache (float32 / bfloat16 queries: check_paged_groups) is widened as it is loaded.
+    if constexpr (std::is_same<scalar_t, float>::value || std::is_same<scalar_t, c10::BFloat16>::value) {
+      if (k_cache.scalar_type() == at::kFloat8_e4m3fn)
+        return run<scalar_t, c10::Float8_e4m3fn>(out, q, k_cache, v_cache, block_table, group_start, group_row,
+                                                 positions, page_size, window, scale);
+      if (k_cache.scalar_type() == at::kFloat8_e5m2)
+        return run<scalar_t, c10::Float8_e5m2>(out, q, k_cache, v_cache, block_table, group_start, group_row,
+                                               positions, page_size, window, scale);
+    }
+    run<scalar_t, scalar_t>(out, q, k_cache, v_cache, block_table, group_start, group_row, positions, page_size,
+                            window, scale);
   });
   return out;
+}
+
+// Rows of k, v (float32 / bfloat16) into an FP8 cache at their slots, saturated and rounded as
+// kv_cache_dtype.quantize_kv does (cpu_math.h saturate_to_fp8), slots already checked.
+template <typename row_t, typename fp8_t>
+void write_fp8(torch::Tensor& k_cache, torch::Tensor& v_cache, const int64_t* slot, const torch::Tensor& k,
+               const torch::Tensor& v) {
+  const int64_t T = k.size(0), H = k.size(1), D = k.size(2);
+  auto* kc = static_cast<fp8_t*>(k_cache.data_ptr());
+  auto* vc = static_cast<fp8_t*>(v_cache.data_ptr());
+  const auto* kp = static_cast<const row_t*>(k.data_ptr());
+  const auto* vp = static_cast<const row_t*>(v.data_ptr());
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      fp8_t* kd = kc + h * k_cache.stride(0) + slot[t] * k_cache.stride(1);
+      fp8_t* vd = vc + h * v_cache.stride(0) + slot[t] * v_cache.stride(1);
+      const row_t* ks = kp + t * k.stride(0) + h * k.stride(1);
+      const row_t* vs = vp + t * v.stride(0) + h * v.stride(1);
+      for (int64_t d = 0; d < D; ++d) {
+        kd[d] = hybridkv_cpu::saturate_to_fp8<fp8_t>(static_cast<float>(ks[d]));
+        vd[d] = hybridkv_cpu::saturate_to_fp8<fp8_t>(static_cast<float>(vs[d]));
+      }
+    }
 }
 
 // A step's new K/V rows into their cache slots: k_cache[h, slots[t], :] = k[t, h, :], and the same
@@ -405,8 +438,11 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                   v.size(2) == k_cache.size(2),
               "k and v must be [T, Hkv, D] of the cache's Hkv and D");
   const auto dtype = k_cache.scalar_type();
-  TORCH_CHECK(v_cache.scalar_type() == dtype && k.scalar_type() == dtype && v.scalar_type() == dtype,
-              "caches and rows must share a dtype");
+  const bool quantize = hybridkv_cpu::is_fp8_cache(dtype) && k.scalar_type() != dtype;
+  TORCH_CHECK(v_cache.scalar_type() == dtype && v.scalar_type() == k.scalar_type() &&
+                  (k.scalar_type() == dtype ||
+                   (quantize && (k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kBFloat16))),
+              "caches and rows must share a dtype (or the caches be FP8 and the rows float32 or bfloat16)");
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
               "head rows must be contiguous");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 1 && slots.is_contiguous(),
@@ -415,6 +451,14 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < S, "slot ", slot[t], " is outside the cache's ", S, " slots");
+  if (quantize) {
+    if (dtype == at::kFloat8_e4m3fn) {
+      if (k.scalar_type() == torch::kFloat32) return write_fp8<float, c10::Float8_e4m3fn>(k_cache, v_cache, slot, k, v);
+      return write_fp8<c10::BFloat16, c10::Float8_e4m3fn>(k_cache, v_cache, slot, k, v);
+    }
+    if (k.scalar_type() == torch::kFloat32) return write_fp8<float, c10::Float8_e5m2>(k_cache, v_cache, slot, k, v);
+    return write_fp8<c10::BFloat16, c10::Float8_e5m2>(k_cache, v_cache, slot, k, v);
+  }
   const int64_t esz = k.element_size(), row = k.size(2) * esz;
   auto* kc = static_cast<char*>(k_cache.data_ptr());
   auto* vc = static_cast<char*>(v_cache.data_ptr());

@@ -9,7 +9,12 @@
 
 namespace hybridkv_cpu {
 
-// The arguments' shapes, dtypes and layouts, checked once for either kernel.
+// Whether a cache of this dtype holds FP8 bytes the kernels widen as they read them
+// (kv_cache_dtype "fp8" / "fp8_e5m2"; attention_backends/kv_cache_dtype.py).
+inline bool is_fp8_cache(c10::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
+
+// The arguments' shapes, dtypes and layouts, checked once for either kernel. The caches hold q's
+// dtype, or both one FP8 format (then q must be float32 or bfloat16).
 inline void check_paged_groups(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                const torch::Tensor& block_table, const torch::Tensor& group_start,
                                const torch::Tensor& group_row, const torch::Tensor& positions) {
@@ -18,8 +23,11 @@ inline void check_paged_groups(const torch::Tensor& q, const torch::Tensor& k_ca
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be a [T, H, D] tensor with contiguous head rows");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3, "caches must be [Hkv, slots, D]");
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "cache rows must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "q, k_cache and v_cache must share a dtype");
+  const bool fp8 = is_fp8_cache(k_cache.scalar_type());
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && (fp8 || k_cache.scalar_type() == q.scalar_type()),
+              "q, k_cache and v_cache must share a dtype (or the caches one FP8 format)");
+  TORCH_CHECK(!fp8 || q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16,
+              "an FP8 cache is read with float32 or bfloat16 queries");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(q.size(2) == k_cache.size(2) && q.size(2) == v_cache.size(2), "head sizes differ");
   for (const auto* t : {&block_table, &group_start, &group_row, &positions})
@@ -38,14 +46,15 @@ inline void check_paged_groups(const torch::Tensor& q, const torch::Tensor& k_ca
   }
 }
 
-// The same arguments as raw pointers, strides and sizes, for the kernels' loops.
-template <typename scalar_t>
+// The same arguments as raw pointers, strides and sizes, for the kernels' loops. cache_t: the
+// caches' element type (scalar_t, or an FP8 type the kernels widen to float as they load it).
+template <typename scalar_t, typename cache_t = scalar_t>
 struct PagedGroups {
   int64_t H, D, Hkv, grp, G;           // query heads, head size, KV heads, query heads per KV head, groups
   const scalar_t* qp;
   int64_t q_row, q_head;               // q strides: per query row, per head (out is contiguous)
   scalar_t* op;
-  const scalar_t *kp, *vp;
+  const cache_t *kp, *vp;
   int64_t kh, ks, vh, vs;              // cache strides: per KV head, per slot
   const int32_t* bt;
   int64_t bt_stride, bt_width;
@@ -58,8 +67,8 @@ struct PagedGroups {
               const torch::Tensor& positions, int64_t page_size_, int64_t window_, double scale)
       : H(q.size(1)), D(q.size(2)), Hkv(k_cache.size(0)), grp(q.size(1) / k_cache.size(0)), G(group_row.size(0)),
         qp(q.data_ptr<scalar_t>()), q_row(q.stride(0)), q_head(q.stride(1)), op(out.data_ptr<scalar_t>()),
-        kp(k_cache.data_ptr<scalar_t>()),
-        vp(v_cache.data_ptr<scalar_t>()), kh(k_cache.stride(0)), ks(k_cache.stride(1)), vh(v_cache.stride(0)),
+        kp(static_cast<const cache_t*>(k_cache.data_ptr())),
+        vp(static_cast<const cache_t*>(v_cache.data_ptr())), kh(k_cache.stride(0)), ks(k_cache.stride(1)), vh(v_cache.stride(0)),
         vs(v_cache.stride(1)), bt(block_table.data_ptr<int32_t>()), bt_stride(block_table.stride(0)),
         bt_width(block_table.size(1)), gs(group_start.data_ptr<int32_t>()), gr(group_row.data_ptr<int32_t>()),
         pos(positions.data_ptr<int32_t>()), page_size(page_size_), window(window_), fscale(static_cast<float>(scale)) {}

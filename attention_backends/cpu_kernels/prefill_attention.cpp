@@ -188,11 +188,11 @@ struct Item {
   int64_t cost;                 // keys x queries, for the largest-first order
 };
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& block_table, const torch::Tensor& group_start, const torch::Tensor& group_row,
          const torch::Tensor& positions, int64_t page_size, int64_t window, double scale) {
-  const hybridkv_cpu::PagedGroups<scalar_t> c(out, q, k_cache, v_cache, block_table, group_start, group_row,
+  const hybridkv_cpu::PagedGroups<scalar_t, cache_t> c(out, q, k_cache, v_cache, block_table, group_start, group_row,
                                              positions, page_size, window, scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
@@ -221,7 +221,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const int nthreads = at::get_num_threads();
   auto scratch = torch::empty({nthreads, per_thread}, q.options().dtype(torch::kFloat32));
   float* scratch_base = scratch.data_ptr<float>();
-  std::vector<const scalar_t*> row_ptrs(static_cast<size_t>(nthreads) * kKeyBlock);
+  std::vector<const cache_t*> row_ptrs(static_cast<size_t>(nthreads) * kKeyBlock);
   std::vector<const float*> key_ptrs(static_cast<size_t>(nthreads) * kKeyBlock);
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
@@ -235,7 +235,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       float* m = o + ld * c.D;
       float* l = m + ld;
       float* alpha = l + ld;
-      const scalar_t** vrows = row_ptrs.data() + at::get_thread_num() * kKeyBlock;
+      const cache_t** vrows = row_ptrs.data() + at::get_thread_num() * kKeyBlock;
       const float** krows = key_ptrs.data() + at::get_thread_num() * kKeyBlock;
       for (int64_t i = next++; i < num_items; i = next++) {
         const Item& it = items[i];
@@ -265,8 +265,8 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
           for (int64_t t = 0; t < bl; ++t) {
             const int64_t kpos = std::max(b0 + t, k_first);
             const int64_t slot = static_cast<int64_t>(row_pages[kpos / page_size]) * page_size + kpos % page_size;
-            const scalar_t* key = c.kp + h * c.kh + slot * c.ks;
-            if constexpr (std::is_same_v<scalar_t, float>) {
+            const cache_t* key = c.kp + h * c.kh + slot * c.ks;
+            if constexpr (std::is_same_v<cache_t, float>) {
               krows[t] = key;  // float32 keys are read in place
             } else {
               float* dst = kbuf + t * c.D;
@@ -330,10 +330,24 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
   TORCH_CHECK(page_size > 0, "page_size must be positive");
   auto out = torch::empty(q.sizes(), q.options());  // contiguous, whatever q's strides
   if (group_row.size(0) == 0) return out;
+  // Query dtype x cache dtype (the query's, or an FP8 format widened as it is loaded).
+  auto with_cache = [&](auto query_tag) {
+    using scalar_t = decltype(query_tag);
+    switch (k_cache.scalar_type()) {
+      case at::kFloat8_e4m3fn:
+        return run<scalar_t, c10::Float8_e4m3fn>(out, q, k_cache, v_cache, block_table, group_start, group_row,
+                                                 positions, page_size, window, scale);
+      case at::kFloat8_e5m2:
+        return run<scalar_t, c10::Float8_e5m2>(out, q, k_cache, v_cache, block_table, group_start, group_row,
+                                               positions, page_size, window, scale);
+      default:
+        return run<scalar_t, scalar_t>(out, q, k_cache, v_cache, block_table, group_start, group_row, positions,
+                                       page_size, window, scale);
+    }
+  };
   if (q.scalar_type() == torch::kFloat32)
-    run<float>(out, q, k_cache, v_cache, block_table, group_start, group_row, positions, page_size, window, scale);
+    with_cache(float{});
   else
-    run<c10::BFloat16>(out, q, k_cache, v_cache, block_table, group_start, group_row, positions, page_size, window,
-                       scale);
+    with_cache(c10::BFloat16{});
   return out;
 }

@@ -243,6 +243,8 @@ torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k_cache, tor
                                     torch::Tensor block_table, torch::Tensor group_start, torch::Tensor group_row,
                                     torch::Tensor positions, int64_t page_size, int64_t window, double scale) {
   hybridkv_cpu::check_paged_groups(q, k_cache, v_cache, block_table, group_start, group_row, positions);
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "prefill_attention_bf16 reads bfloat16 caches only "
+              "(an FP8 cache goes to prefill_attention)");
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "prefill_attention_bf16 takes bfloat16");
   TORCH_CHECK(q.size(2) % 64 == 0 && q.size(2) <= kMaxHead, "head size ", q.size(2),
               " is not a multiple of 64 up to ", kMaxHead);

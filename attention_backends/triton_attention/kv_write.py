@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.attention_backends.kv_cache_dtype import quantize_kv
+
 
 @triton.jit
 def _kv_write_kernel(
@@ -44,14 +46,18 @@ def _kv_write_kernel(
 def write_kv(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [Hkv, num_slots, D], same dtype as k
+    k_cache: torch.Tensor,  # [Hkv, num_slots, D], same dtype as k, or FP8 (kv_cache_dtype)
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int
 ) -> None:
-    """k_cache[:, slot_mapping[t]] = k[t] (and the same for v), for every token t."""
+    """k_cache[:, slot_mapping[t]] = k[t] (and the same for v), for every token t. Into an FP8
+    cache the rows are quantized by torch first (kv_cache_dtype.quantize_kv: saturated, round to
+    nearest even), so the cache holds the torch-native backend's bits; the kernels widen them back
+    as they load them."""
     T, hkv, D = k.shape
     if T == 0:
         return
+    k, v = quantize_kv(k, k_cache.dtype), quantize_kv(v, v_cache.dtype)
     if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
         raise TypeError(f"K/V of dtype {k.dtype} cannot be written into a {k_cache.dtype} cache")
     _kv_write_kernel[(T,)](

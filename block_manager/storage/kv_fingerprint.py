@@ -3,7 +3,8 @@
 A storage tier shared by processes (files, Redis) names pages by a hash chain seeded with it
 (block_manager/page_keys.py) and checks it in every stored value's header, so a process never
 reads pages another configuration wrote: model identity (config.json and the weight files'
-contents), dtype, page size, each block space (name, compression, bytes per slot, window) and
+contents), dtype, the KV cache's element type (an FP8 cache's pages are other bytes than a
+bfloat16 cache's for the same tokens), page size, each block space (name, compression, bytes per slot, window) and
 its byte layout, and the tensor-parallel size (under tensor parallelism one stored value holds
 a page of every rank's KV shard, so a page's identity is the group's, not one rank's).
 """
@@ -40,12 +41,14 @@ def model_digest(model_dir: str) -> bytes:
 
 def kv_fingerprint(
     model_dir: str, dtype: str, page_size: int, specs: list[SpaceSpec], page_layout: dict[str, list],
-    tp_size: int = 1,
+    tp_size: int = 1, kv_dtype: str | None = None,
 ) -> KVFingerprint:
     """page_layout: space -> [(dtype, page slice shape)] of its tensors (HostKVCache.page_layout),
-    one rank's; tp_size: the ranks whose shards a stored page holds, in rank order."""
+    one rank's; tp_size: the ranks whose shards a stored page holds, in rank order; kv_dtype: the
+    KV pools' dtype (None: the model's, `dtype`)."""
     base = {
-        "model": model_digest(model_dir).hex(), "dtype": dtype, "page_size": page_size, "tp_size": tp_size,
+        "model": model_digest(model_dir).hex(), "dtype": dtype, "kv_dtype": kv_dtype or dtype,
+        "page_size": page_size, "tp_size": tp_size,
         "spaces": [[s.name, s.tokens_per_slot, s.bytes_per_slot, s.window, s.ring, s.align, page_layout[s.name]] for s in specs],
     }
     seed = hashlib.sha256(json.dumps(base, sort_keys=True).encode()).digest()

@@ -22,7 +22,9 @@ class CausalLM(nn.Module):
       forward(input_ids [T], positions [T], meta, output_rows=None) -> hidden [T, H] for a flat
         batch of tokens, or [len(output_rows), H] of those rows (all T still write their K/V)
       compute_logits(hidden [N, H]) -> [N, vocab]
-      space_specs(dtype) -> the block spaces this model's layers read and write
+      space_specs(kv_dtype) -> the block spaces this model's layers read and write, their bytes
+        counted in kv_dtype (the KV pools' dtype: the model's, or FP8 where kv_cache_dtype asks
+        and fp8_kv_cache_refusal() is None)
       load_weights(iterable of (HF name, tensor))
     and may override the hooks below, whose defaults fit dense decoders whose attention layers
     (attention_layers(): modules with .space, .num_kv_heads, .head_dim and k_cache / v_cache /
@@ -45,6 +47,12 @@ class CausalLM(nn.Module):
     # decodes of consecutive positions (model_executor/batch.verify_rows), which needs every layer
     # to write all rows' cache entries before any row reads them. False: it runs as one chunk.
     verify_rows_as_decodes: bool = True
+
+    @classmethod
+    def fp8_kv_cache_refusal(cls) -> str | None:
+        """None where this model's KV pools may be FP8 (kv_cache_dtype="fp8..."): every layer writes
+        and reads its cache through a path that quantizes and dequantizes. Else what is missing."""
+        return "its attention layers have no FP8 KV cache path"
 
     @classmethod
     def cpu_kernel_loaders(cls, dtype: torch.dtype) -> list[Callable[[], object]]:
@@ -70,8 +78,9 @@ class CausalLM(nn.Module):
     def allocate_kv_cache(
         self, layout: KVCacheLayout, backend, dtype: torch.dtype, device: torch.device, prefault: bool = False
     ) -> dict[str, list[torch.Tensor]]:
-        """Allocate each space's physical K/V tensors and bind every attention layer its slice
-        and the attention backend. Returns space -> every physical tensor of that space (here
+        """Allocate each space's physical K/V tensors in `dtype` (the KV dtype: the model's, or
+        FP8, which the backends quantize into on write and dequantize on every read) and bind
+        every attention layer its slice and the attention backend. Returns space -> every physical tensor of that space (here
         one, [layers, 2, Hkv, slots, D]); in each, the slot dimension is dim -2 and slot s is in
         page s // slots_per_page, the contract the host tier (HostKVCache) copies pages by.
 

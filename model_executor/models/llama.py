@@ -215,10 +215,16 @@ class LlamaForCausalLM(CausalLM):
         return [window if t == "sliding_attention" else None for t in layer_types]
 
     # -- the model contract ------------------------------------------------------------------
+    @classmethod
+    def fp8_kv_cache_refusal(cls) -> str | None:
+        return None  # every layer reads its cache through an AttentionBackend, which takes FP8 pools
+
     def attention_layers(self) -> list[LlamaAttention]:
         return [layer.self_attn for layer in self.layers]
 
     def space_specs(self, dtype: torch.dtype) -> list[SpaceSpec]:
+        """One space per attention kind (full, sliding); a slot is a K and a V row of every layer
+        of the space, in `dtype` (the KV pools' dtype: one byte an element for an FP8 cache)."""
         per_space: dict[str, list[LlamaAttention]] = {}
         for attn in self.attention_layers():
             per_space.setdefault(attn.space, []).append(attn)

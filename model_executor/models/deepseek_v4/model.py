@@ -59,6 +59,12 @@ class DeepseekV4ForCausalLM(CausalLM):
     supports_mtp = True
 
     @classmethod
+    def fp8_kv_cache_refusal(cls) -> str | None:
+        return ("its swa, c4, c128 and indexer caches are written and read in the model dtype by the V4 "
+                "attention (attention_backends/hybrid_v4.py, the joint-attention and indexer CPU kernels, "
+                "the Triton V4 kernels, HiSparse's hot buffers), none of which has an FP8 path yet")
+
+    @classmethod
     def cpu_kernel_loaders(cls, dtype: torch.dtype) -> list:
         """The lightning indexer and the joint attention (hybrid_v4.py), the fused ops (RMSNorm,
         mHC's Sinkhorn) and the linears."""

@@ -1,0 +1,67 @@
+"""The KV cache's element type (`kv_cache_dtype`, vLLM's names) and the FP8 conversions.
+
+"auto" stores K/V in the model's dtype. "fp8" (= "fp8_e4m3") and "fp8_e5m2" store them as
+torch.float8_e4m3fn / torch.float8_e5m2, one byte an element: an equal budget holds twice the
+pages of a bfloat16 cache (four times a float32 one).
+
+Scale. Every write is `clamp(x, -max, max).to(fp8)` and every read `x.to(float)` with a
+per-tensor scale of 1.0, which is what vLLM does when a checkpoint ships no KV scales (its
+`k_scale = v_scale = 1.0` default). Why no computed scale: the checkpoints this engine loads
+carry none, and the keys and values of the dense models it runs stay far inside e4m3's range
+(|x| <= 448; e5m2: 57344), where a power-of-two scale changes nothing (FP8 is floating point:
+its relative precision is the same at every magnitude) and any other scale only adds a multiply.
+The measured agreement with the model-dtype cache is in benchmarks/README.md ("FP8 KV cache").
+
+Saturating: a value beyond the format's finite maximum is clamped to it before the cast (e5m2
+would otherwise overflow to inf, and an inf key turns a whole softmax row into NaN).
+"""
+from __future__ import annotations
+
+import torch
+
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8_BY_NAME = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def validate_kv_cache_dtype_name(name: str) -> None:
+    """ValueError listing the choices when `name` is not one of them."""
+    if name not in KV_CACHE_DTYPE_CHOICES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of {list(KV_CACHE_DTYPE_CHOICES)}")
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype the KV pools are stored in: the model's for "auto", else the FP8 format."""
+    validate_kv_cache_dtype_name(name)
+    return model_dtype if name == "auto" else _FP8_BY_NAME[name]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache stores it: unchanged for a cache of x's dtype, else saturated to the FP8
+    format's finite range and cast (round to nearest even, scale 1.0)."""
+    if not is_fp8(cache_dtype):
+        return x
+    limit = torch.finfo(cache_dtype).max
+    return x.clamp(-limit, limit).to(cache_dtype)
+
+
+def dequantize_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache elements as `dtype` (exact: every FP8 value is a bfloat16 and a float32 value)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def as_stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as an attention read gets it back from a cache of cache_dtype, in x's dtype: the rows a
+    chunk attends to before (or without) reading them from the cache must be these, so that a
+    chunk's own keys and a cached prefix's are the same numbers."""
+    return x if not is_fp8(cache_dtype) else quantize_kv(x, cache_dtype).to(x.dtype)
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor as uint8 (the same bytes; torch has no index_copy_ for FP8), others as they
+    are: page copies move FP8 bytes exactly as stored."""
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t
