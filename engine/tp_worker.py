@@ -176,7 +176,8 @@ def shared_settings(spec: WorkerSpec) -> dict[str, object]:
     except OSError:
         checkpoint = "unreadable"
     return {"tensor_parallel_size": spec.size, "backend": spec.backend, "dtype": spec.dtype,
-            "kv_cache_dtype": spec.kv_cache_dtype, "max_model_len": spec.max_model_len, "attention_backend": spec.attention_backend,
+            "kv_cache_dtype": spec.kv_cache_dtype, "max_model_len": spec.max_model_len,
+            "attention_backend": spec.attention_backend,
             "expert_parallel": spec.expert_parallel, "config.json sha256": checkpoint}
 
 

@@ -145,7 +145,8 @@ def model_skeleton(model_dir: str, dtype: str | torch.dtype, max_model_len: int 
     return ModelSkeleton(config, model, resolved, max_len, model.space_specs(kv_dtype), kv_dtype, mtp)
 
 
-def kv_cache_dtype_for(cls: type[CausalLM], kv_cache_dtype: str, dtype: torch.dtype, attention_backend: str) -> torch.dtype:
+def kv_cache_dtype_for(cls: type[CausalLM], kv_cache_dtype: str, dtype: torch.dtype,
+                       attention_backend: str) -> torch.dtype:
     """The dtype cls's KV pools are stored in (kv_cache_dtype's name resolved against the model
     dtype), or ValueError naming kv_cache_dtype and the path that cannot read an FP8 cache."""
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
@@ -285,6 +286,8 @@ class ModelRunner:
         self.windows = layout.windows
         self.kv_caches = self.model.allocate_kv_cache(layout, self.backend, self.kv_dtype, self.device,
                                                       prefault=prefault)
+        if self.kv_dtype != self.dtype:
+            logger.info("KV cache in %s (kv_cache_dtype), the model in %s", self.kv_dtype, self.dtype)
 
     @property
     def hot_buffers(self) -> HotBuffers | None:

@@ -68,7 +68,8 @@ struct PagedGroups {
       : H(q.size(1)), D(q.size(2)), Hkv(k_cache.size(0)), grp(q.size(1) / k_cache.size(0)), G(group_row.size(0)),
         qp(q.data_ptr<scalar_t>()), q_row(q.stride(0)), q_head(q.stride(1)), op(out.data_ptr<scalar_t>()),
         kp(static_cast<const cache_t*>(k_cache.data_ptr())),
-        vp(static_cast<const cache_t*>(v_cache.data_ptr())), kh(k_cache.stride(0)), ks(k_cache.stride(1)), vh(v_cache.stride(0)),
+        vp(static_cast<const cache_t*>(v_cache.data_ptr())), kh(k_cache.stride(0)), ks(k_cache.stride(1)),
+        vh(v_cache.stride(0)),
         vs(v_cache.stride(1)), bt(block_table.data_ptr<int32_t>()), bt_stride(block_table.stride(0)),
         bt_width(block_table.size(1)), gs(group_start.data_ptr<int32_t>()), gr(group_row.data_ptr<int32_t>()),
         pos(positions.data_ptr<int32_t>()), page_size(page_size_), window(window_), fscale(static_cast<float>(scale)) {}

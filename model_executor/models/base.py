@@ -80,7 +80,8 @@ class CausalLM(nn.Module):
     ) -> dict[str, list[torch.Tensor]]:
         """Allocate each space's physical K/V tensors in `dtype` (the KV dtype: the model's, or
         FP8, which the backends quantize into on write and dequantize on every read) and bind
-        every attention layer its slice and the attention backend. Returns space -> every physical tensor of that space (here
+        every attention layer its slice and the attention backend. Returns space -> every physical
+        tensor of that space (here
         one, [layers, 2, Hkv, slots, D]); in each, the slot dimension is dim -2 and slot s is in
         page s // slots_per_page, the contract the host tier (HostKVCache) copies pages by.
 
