@@ -6,11 +6,15 @@ pages of a bfloat16 cache (four times a float32 one).
 
 Scale. Every write is `clamp(x, -max, max).to(fp8)` and every read `x.to(float)` with a
 per-tensor scale of 1.0, which is what vLLM does when a checkpoint ships no KV scales (its
-`k_scale = v_scale = 1.0` default). Why no computed scale: the checkpoints this engine loads
-carry none, and the keys and values of the dense models it runs stay far inside e4m3's range
-(|x| <= 448; e5m2: 57344), where a power-of-two scale changes nothing (FP8 is floating point:
-its relative precision is the same at every magnitude) and any other scale only adds a multiply.
-The measured agreement with the model-dtype cache is in benchmarks/README.md ("FP8 KV cache").
+`k_scale = v_scale = 1.0` default). Why no computed scale: the checkpoints this engine loads carry
+none, and FP8 is floating point, so a scale only moves values between its normal range (relative
+precision 2^-4 for e4m3 at every magnitude) and its ends (saturation above 448, subnormals below
+2^-6). The demo model's keys peak at 10-25 and its values at 0.6-16 per layer over 1,024 tokens of
+source code (a few per cent of the values under 2^-6, 38% in the first layer), so nothing
+saturates; a fixed per-layer power-of-two scale mapping each layer's K and V maximum to 224,
+emulated over 3,069 teacher-forced positions, gave next-token agreement 0.961 against 0.958 with
+scale 1.0 and a larger mean |delta logprob| (0.087 against 0.085): the loss is the 3-bit mantissa,
+which no scale recovers. The measured agreement is in benchmarks/README.md (kv_cache_dtype.py).
 
 Saturating: a value beyond the format's finite maximum is clamped to it before the cast (e5m2
 would otherwise overflow to inf, and an inf key turns a whole softmax row into NaN).

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--formats", default="fp8,fp8_e5m2", help="the FP8 kv_cache_dtype values to compare")
     ap.add_argument("--modules", default="argparse,json.decoder,textwrap", help="stdlib modules whose source is the text")
     ap.add_argument("--chunk-tokens", type=int, default=1024, help="prompt length of the accuracy run")
-    ap.add_argument("--positions", type=int, default=4096, help="positions compared (at most)")
+    ap.add_argument("--positions", type=int, default=5120, help="positions compared (at most)")
     ap.add_argument("--context", type=int, default=512, help="prompt tokens of the decode runs")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
@@ -70,14 +70,14 @@ def main(argv: list[str] | None = None) -> None:
     kinds = ["auto"] + args.formats.split(",")
     engines = {k: LLM(args.model, dtype=args.dtype, kv_cache_dtype=k, max_num_seqs=32,
                       max_num_batched_tokens=32 * args.context,
-                      max_model_len=max(args.chunk_tokens, args.context + args.decode_tokens))
+                      max_model_len=max(args.chunk_tokens + 1, args.context + 2 * args.decode_tokens))
                for k in kinds}
     auto = engines["auto"].engine
     print(f"model dtype {auto.runner.dtype}; KV pools: "
           + ", ".join(f"{k} {e.engine.runner.kv_dtype}" for k, e in engines.items()))
     tokens = corpus_tokens(engines["auto"], args.modules.split(","))
     n = min(len(tokens), args.positions + args.positions // args.chunk_tokens + 1)
-    chunks = [tokens[i:i + args.chunk_tokens] for i in range(0, n, args.chunk_tokens)]
+    chunks = [tokens[i:min(n, i + args.chunk_tokens)] for i in range(0, n, args.chunk_tokens)]
     chunks = [c for c in chunks if len(c) > 1]
     forced = {k: teacher_forced(llm, chunks) for k, llm in engines.items()}
     result = {}

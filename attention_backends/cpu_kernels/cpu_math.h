@@ -62,42 +62,33 @@ inline vfloat load_vec(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit sh
   return v;
 #endif
 }
-// FP8 KV cache bytes -> float32, exact (kv_cache_dtype; scale 1.0). e5m2 is the high byte of an
-// IEEE half, so a byte shifted left by 8 is that half. e4m3fn's low 7 bits shifted left by 7 are a
-// half with the same 3-bit mantissa and an exponent field that is the same number against bias 15
-// instead of 7 (subnormals included), i.e. the value times 2^-8; the sign goes to bit 15, and the
-// widened float is scaled back by 2^8. The half -> float step is F16C's vcvtph2ps. (e4m3fn's NaN
-// byte, 0x7F/0xFF, reads as +-480 here: the writers saturate to +-448 and store it only for a NaN
-// input.) Without F16C (the loader's "base" build) the lanes go through c10's conversion.
+// FP8 KV cache bytes -> float32, exact (kv_cache_dtype; scale 1.0), through F16C's vcvtph2ps.
+// e5m2 is the high byte of an IEEE half: the byte shifted left by 8 is that half. e4m3fn's low 7
+// bits shifted left by 7 are a half with the same 3-bit mantissa and an exponent field that means
+// the same number against bias 15 instead of 7 (subnormals included): the value times 2^-8. With
+// the byte in a 16-bit lane, shifting left by 8 and arithmetically right by 1 puts those bits there
+// and the sign in bits 15 and 14; clearing bit 14 leaves the half. fp8_scaled_vec returns that
+// half widened (e4m3fn: value x 2^-8, for kernels that fold the 2^8 into their own scaling,
+// DeferredRead below); load_vec the value. (e4m3fn's NaN byte, 0x7F/0xFF, reads as +-480: the
+// writers saturate to +-448 and store it only for a NaN input.) Without F16C (the loader's "base"
+// build) the lanes go through c10's conversion.
 #if defined(__AVX512F__) || defined(__F16C__)
 template <bool E4M3>
-inline vfloat load_fp8_vec(const uint8_t* p) {
+inline vfloat fp8_scaled_vec(const uint8_t* p) {
 #if defined(__AVX512F__)
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  __m256i h;
-  if constexpr (E4M3)
-    h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
-                        _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
-  else
-    h = _mm256_slli_epi16(b, 8);
-  __m512 f = _mm512_cvtph_ps(h);
-  if constexpr (E4M3) f = _mm512_mul_ps(f, _mm512_set1_ps(256.f));
-  return (vfloat)f;
+  __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
+  if constexpr (E4M3) h = _mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  return (vfloat)_mm512_cvtph_ps(h);
 #else
-  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  __m128i h;
-  if constexpr (E4M3)
-    h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7),
-                     _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
-  else
-    h = _mm_slli_epi16(b, 8);
-  __m256 f = _mm256_cvtph_ps(h);
-  if constexpr (E4M3) f = _mm256_mul_ps(f, _mm256_set1_ps(256.f));
-  return (vfloat)f;
+  __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8);
+  if constexpr (E4M3) h = _mm_and_si128(_mm_srai_epi16(h, 1), _mm_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  return (vfloat)_mm256_cvtph_ps(h);
 #endif
 }
-inline vfloat load_vec(const c10::Float8_e4m3fn* p) { return load_fp8_vec<true>(reinterpret_cast<const uint8_t*>(p)); }
-inline vfloat load_vec(const c10::Float8_e5m2* p) { return load_fp8_vec<false>(reinterpret_cast<const uint8_t*>(p)); }
+inline vfloat load_vec(const c10::Float8_e4m3fn* p) {
+  return fp8_scaled_vec<true>(reinterpret_cast<const uint8_t*>(p)) * (vfloat{} + 256.f);
+}
+inline vfloat load_vec(const c10::Float8_e5m2* p) { return fp8_scaled_vec<false>(reinterpret_cast<const uint8_t*>(p)); }
 #endif
 template <typename scalar_t>
 inline vfloat load_vec(const scalar_t* p) {  // other types (fp16; FP8 without F16C): widened lane by lane
@@ -158,6 +149,26 @@ inline fp8_t saturate_to_fp8(float x) {
   constexpr float limit = std::is_same<fp8_t, c10::Float8_e4m3fn>::value ? 448.f : 57344.f;
   return fp8_t(std::min(std::max(x, -limit), limit));  // NaN stays NaN, as torch.clamp leaves it
 }
+
+// Cache elements read with a power-of-two factor left for the caller to apply once: `load` and
+// `scalar` give the value divided by `scale`. e4m3fn's widening then skips its multiply by 2^8 in
+// the inner loops, and a kernel multiplies its query by `scale` (exact scores: every product is
+// the same number) and its output by `scale` (exact: the sums are of exactly scaled terms).
+// Other types: scale 1, the plain reads.
+template <typename T>
+struct DeferredRead {
+  static constexpr float scale = 1.f;
+  static vfloat load(const T* p) { return load_vec(p); }
+  static float scalar(T x) { return to_float(x); }
+};
+#if defined(__AVX512F__) || defined(__F16C__)
+template <>
+struct DeferredRead<c10::Float8_e4m3fn> {
+  static constexpr float scale = 256.f;
+  static vfloat load(const c10::Float8_e4m3fn* p) { return fp8_scaled_vec<true>(reinterpret_cast<const uint8_t*>(p)); }
+  static float scalar(c10::Float8_e4m3fn x) { return to_float(x) * (1.f / 256.f); }
+};
+#endif
 
 inline float hsum(vfloat v) {
   float s = 0.f;

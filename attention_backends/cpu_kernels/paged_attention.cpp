@@ -42,20 +42,21 @@ namespace {
 constexpr int64_t kBlock = 256;  // keys per online-softmax block: the scratch is rows x kBlock floats
 
 using hybridkv_cpu::exp_nonpositive;  // cpu_math.h, put in front of this file by the loader
+using hybridkv_cpu::DeferredRead;  // cache reads with e4m3fn's 2^8 applied once, below
 using hybridkv_cpu::to_float;
 
 template <typename scalar_t>
 inline float dot(const float* __restrict__ a, const scalar_t* __restrict__ b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t d = 0; d < n; ++d) s += a[d] * to_float(b[d]);
+  for (int64_t d = 0; d < n; ++d) s += a[d] * DeferredRead<scalar_t>::scalar(b[d]);
   return s;
 }
 
 template <typename scalar_t>
 inline void axpy(float* __restrict__ acc, float p, const scalar_t* __restrict__ v, int64_t n) {
 #pragma omp simd
-  for (int64_t d = 0; d < n; ++d) acc[d] += p * to_float(v[d]);
+  for (int64_t d = 0; d < n; ++d) acc[d] += p * DeferredRead<scalar_t>::scalar(v[d]);
 }
 
 // ---- vectorized block loops (head sizes that are a multiple of the vector width) ----------
@@ -77,15 +78,15 @@ void block_scores(const float* q, const scalar_t* const* keys, float* scores, in
   int64_t t = lo;
   for (; t + kLanes <= hi; t += kLanes) {
     vfloat acc[kLanes];
-    for (int i = 0; i < kLanes; ++i) acc[i] = qv[0] * load_vec(keys[t + i]);
+    for (int i = 0; i < kLanes; ++i) acc[i] = qv[0] * DeferredRead<scalar_t>::load(keys[t + i]);
     for (int c = 1; c < NC; ++c)
-      for (int i = 0; i < kLanes; ++i) acc[i] += qv[c] * load_vec(keys[t + i] + c * kLanes);
+      for (int i = 0; i < kLanes; ++i) acc[i] += qv[c] * DeferredRead<scalar_t>::load(keys[t + i] + c * kLanes);
     const vfloat sums = hsum_each(acc);
     std::memcpy(scores + t, &sums, sizeof(sums));
   }
   for (; t < hi; ++t) {
-    vfloat acc = qv[0] * load_vec(keys[t]);
-    for (int c = 1; c < NC; ++c) acc += qv[c] * load_vec(keys[t] + c * kLanes);
+    vfloat acc = qv[0] * DeferredRead<scalar_t>::load(keys[t]);
+    for (int c = 1; c < NC; ++c) acc += qv[c] * DeferredRead<scalar_t>::load(keys[t] + c * kLanes);
     scores[t] = hsum(acc);
   }
 }
@@ -123,7 +124,7 @@ void block_values(float* acc, int64_t D, const float* p, int64_t ldp, const scal
     for (int r = 0; r < R; ++r) any |= p[r * ldp + t] > 0.f;
     if (!any) continue;
     vfloat v[NC];
-    for (int c = 0; c < NC; ++c) v[c] = load_vec(values[t] + c * kLanes);
+    for (int c = 0; c < NC; ++c) v[c] = DeferredRead<scalar_t>::load(values[t] + c * kLanes);
     for (int r = 0; r < R; ++r) {
       const vfloat pv = hybridkv_cpu::splat(p[r * ldp + t]);
       for (int c = 0; c < NC; ++c) a[r][c] += pv * v[c];
@@ -229,6 +230,10 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const hybridkv_cpu::PagedGroups<scalar_t, cache_t> c(out, q, k_cache, v_cache, block_table, group_start, group_row,
                                              positions, page_size, window, scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  // The keys and values come back divided by read_scale (DeferredRead): the query is multiplied by
+  // it and the output too, which gives the undivided reads' bits (power-of-two scalings are exact).
+  constexpr float read_scale = DeferredRead<cache_t>::scale;
+  const float q_scale = c.fscale * read_scale;
 
   // Scratch, one slice per thread, allocated through torch (so allocation profilers see it):
   // queries, scores of one key block, accumulators, running max and sum, for the largest group.
@@ -303,7 +308,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         for (int64_t j = 0; j < c.grp; ++j) {
           const scalar_t* src = c.query(r, h * c.grp + j);
           float* dst = qf + ((r - r0) * c.grp + j) * c.D;
-          for (int64_t d = 0; d < c.D; ++d) dst[d] = to_float(src[d]) * c.fscale;
+          for (int64_t d = 0; d < c.D; ++d) dst[d] = to_float(src[d]) * q_scale;
         }
       // Keys in blocks of kBlock with an online softmax (running max m and sum l per row), so
       // the scratch is rows x kBlock whatever the context length.
@@ -369,7 +374,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t j = 0; j < c.grp; ++j) {
           const int64_t row = (r - r0) * c.grp + j;
-          const float inv = 1.f / l[row];  // every row sees at least its own key
+          const float inv = read_scale / l[row];  // every row sees at least its own key
           scalar_t* dst = c.op + (r * c.H + h * c.grp + j) * c.D;
           const float* a = acc + row * c.D;
           for (int64_t d = 0; d < c.D; ++d) dst[d] = static_cast<scalar_t>(a[d] * inv);

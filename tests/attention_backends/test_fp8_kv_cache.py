@@ -178,3 +178,37 @@ def test_bfloat16_queries_over_fp8_match_the_dequantized_cache(fmt, kernels):
     ref, _, _ = step.run(TorchNativeAttention(cpu_kernels=False), widened=True)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa,flags", [("avx2", ["-mavx2", "-mfma", "-mf16c"]), ("base", [])])
+def test_fp8_reads_of_the_avx2_and_plain_builds_are_exact(monkeypatch, isa, flags):
+    """The paged kernel and its writer as an AVX2-only CPU builds them (8 lanes, F16C's 8-lane
+    widening) and as the plain build does (no F16C: c10's conversion lane by lane)."""
+    from pathlib import Path
+
+    from hybridkv.attention_backends.cpu_kernels import _PAGED_GROUPS, build
+
+    monkeypatch.setattr(build, "isa_flags", lambda: (isa, flags))
+    module = build.build_cpu_extension("hybridkv_paged_attention", Path(build.__file__).with_name("paged_attention.cpp"),
+                                       ["paged_attention", "write_kv"], f"CPU paged-attention kernel ({isa} build)",
+                                       headers=(_PAGED_GROUPS,))
+    assert module is not None, f"the paged kernel did not build for {isa}"
+    for fmt in FORMATS:
+        byte = torch.arange(256, dtype=torch.uint8)
+        finite = byte[torch.isfinite(byte.view(fmt).float())]
+        d, rows, page = 64, -(-finite.numel() // 64), 16
+        values = torch.zeros(rows * d, dtype=torch.uint8)
+        values[: finite.numel()] = finite
+        vc = torch.zeros(1, (rows + 1) * page, d, dtype=torch.uint8)
+        vc[0, page::page][:rows] = values.view(rows, d)
+        vc = vc.view(fmt)
+        groups = torch.arange(rows + 1, dtype=torch.int32)
+        out = module.paged_attention(torch.randn(rows, 1, d), torch.zeros_like(vc), vc,
+                                     torch.arange(1, rows + 1, dtype=torch.int32).view(rows, 1), groups, groups[:-1],
+                                     torch.zeros(rows, dtype=torch.int32), page, -1, 0.1)
+        assert torch.equal(out[:, 0], vc[0, page::page][:rows].float())
+        k = _values((9, 1, d), torch.Generator().manual_seed(1), torch.float32)
+        kc, slots = torch.zeros(1, 32, d, dtype=fmt), torch.arange(9) + 16
+        module.write_kv(kc, torch.zeros_like(kc), slots, k, k)
+        assert torch.equal(kc[:, slots].view(torch.uint8), quantize_kv(k, fmt).transpose(0, 1).view(torch.uint8))

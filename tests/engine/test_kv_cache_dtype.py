@@ -103,19 +103,20 @@ def test_fp8_pools_and_greedy_agreement_with_the_model_dtype_cache(tiny_ckpt, ar
 
 
 # -- exactness: every cache option gives the FP8 engine's own tokens ---------------------------------
-@pytest.fixture(scope="module")
-def fp8_reference(tiny_ckpt):
-    """Greedy tokens of an FP8 engine in its simplest configuration: no prefix cache, one request at a time."""
-    path = tiny_ckpt("llama")
-    llm = LLM(path, dtype="float32", kv_cache_dtype="fp8", enable_prefix_caching=False, max_num_seqs=1)
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def fp8_reference(tiny_ckpt, request):
+    """Greedy tokens of an FP8 engine in its simplest configuration: no prefix cache, one request
+    at a time; a float32 and a bfloat16 model (whose prefills take the float32-FMA kernel)."""
+    path, dtype = tiny_ckpt("llama"), request.param
+    llm = LLM(path, dtype=dtype, kv_cache_dtype="fp8", enable_prefix_caching=False, max_num_seqs=1)
     prompts = _prompts(llm.engine.runner.config.vocab_size, 12, seed=1)
-    return path, prompts, _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    return path, dtype, prompts, _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
 
 
 @pytest.mark.parametrize("chunk", [7, 16, None])
 def test_prefix_hits_chunked_prefill_and_batching_keep_the_fp8_tokens(fp8_reference, chunk):
-    path, prompts, ref = fp8_reference
-    llm = LLM(path, dtype="float32", kv_cache_dtype="fp8", max_num_batched_tokens=chunk, max_num_seqs=8)
+    path, dtype, prompts, ref = fp8_reference
+    llm = LLM(path, dtype=dtype, kv_cache_dtype="fp8", max_num_batched_tokens=chunk, max_num_seqs=8)
     for _ in range(2):  # the second pass hits the shared prefix the first cached
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert _tokens(outs) == ref
@@ -134,10 +135,10 @@ def test_a_hit_at_every_page_boundary_keeps_the_fp8_tokens_and_logprobs(tiny_ckp
 
 
 def test_preemption_under_a_tiny_fp8_budget_keeps_the_fp8_tokens(fp8_reference):
-    path, prompts, ref = fp8_reference
+    path, dtype, prompts, ref = fp8_reference
     # 12 pages of 16 tokens in FP8 (2 layers x K,V x 2 heads x 16 dims x 1 byte x 16 tokens).
     page_bytes = 2 * 2 * 2 * 16 * 1 * 16
-    llm = LLM(path, dtype="float32", kv_cache_dtype="fp8", max_model_len=128, kv_cache_memory_bytes=12 * page_bytes)
+    llm = LLM(path, dtype=dtype, kv_cache_dtype="fp8", max_model_len=128, kv_cache_memory_bytes=12 * page_bytes)
     assert llm.engine.kv.spaces["full"].num_pages <= 13
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert _tokens(outs) == ref
@@ -191,9 +192,9 @@ def test_host_tier_moves_fp8_pages_bit_for_bit(tiny_ckpt):
 
 
 def test_swap_preemption_keeps_the_fp8_tokens(fp8_reference):
-    path, prompts, ref = fp8_reference
+    path, dtype, prompts, ref = fp8_reference
     page_bytes = 2 * 2 * 2 * 16 * 1 * 16
-    llm = LLM(path, dtype="float32", kv_cache_dtype="fp8", max_model_len=128, kv_cache_memory_bytes=12 * page_bytes,
+    llm = LLM(path, dtype=dtype, kv_cache_dtype="fp8", max_model_len=128, kv_cache_memory_bytes=12 * page_bytes,
               enable_hierarchical_cache=True, preemption_mode="swap")
     assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == ref
     assert llm.engine.scheduler.num_preemptions > 0
