@@ -22,6 +22,7 @@ from hybridkv.model_executor.models.llama import LlamaForCausalLM
 from host_tier_helpers import assert_host_hit_at_every_boundary
 from prefix_hit_helpers import LOGPROB_ATOL, assert_hit_at_every_boundary, run_one, sampled_logprobs
 from tiny_deepseek_v4 import build_v4_checkpoint
+from tp_helpers import assert_logprobs_close, prompts_with_prefix, run_passes, shut_down  # noqa: F401 - a fixture
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
 
@@ -175,6 +176,22 @@ def test_fused_decode_takes_fp8_steps_with_the_layer_by_layer_logits(tiny_ckpt, 
         assert torch.equal(a, b), "the fused decode read or wrote the FP8 cache differently"
 
 
+def test_ngram_speculation_keeps_the_fp8_tokens(tiny_ckpt):
+    """Verified drafts read the FP8 cache through the prefill path: plain FP8 decoding's tokens."""
+    path = tiny_ckpt("llama")
+    kw = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=24, num_scheduler_steps=1,
+              kv_cache_dtype="fp8")
+    plain = LLM(path, **kw)
+    spec = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}, **kw)
+    vocab = plain.engine.runner.config.vocab_size
+    prompts = [{"prompt_token_ids": _prompt(7, vocab, seed=2) * 5}, {"prompt_token_ids": _prompt(37, vocab, seed=9)}]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = _tokens(plain.generate(prompts, params, use_tqdm=False))
+    assert _tokens(spec.generate(prompts, params, use_tqdm=False)) == want
+    assert spec.engine.stats["spec_draft_tokens"] > 0
+    spec.engine.kv.check_invariants()
+
+
 def test_host_tier_moves_fp8_pages_bit_for_bit(tiny_ckpt):
     path = tiny_ckpt("llama")
     ref = LLM(path, dtype="float32", max_model_len=256, kv_cache_dtype="fp8", enable_prefix_caching=False)
@@ -199,6 +216,25 @@ def test_swap_preemption_keeps_the_fp8_tokens(fp8_reference):
     assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == ref
     assert llm.engine.scheduler.num_preemptions > 0
     llm.engine.kv.check_invariants()
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_process_with_fp8_caches(tiny_ckpt, shut_down):
+    """Each rank quantizes and reads its own KV heads' shard: tensor parallelism keeps the FP8
+    engine's tokens (prefix hits and chunked prefill included)."""
+    path = tiny_ckpt("llama", num_key_value_heads=4)
+    common = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=8, kv_cache_dtype="fp8")
+    one = LLM(path, **common)
+    prompts = prompts_with_prefix(one.engine.runner.config.vocab_size, 8)
+    want = run_passes(one, prompts)
+    two = LLM(path, tensor_parallel_size=2, **common)
+    shut_down(two)
+    assert two.engine.runner.kv_caches["full"][0].dtype == torch.float8_e4m3fn
+    got = run_passes(two, prompts)
+    two.shutdown()
+    assert want["cached"] > 0 and got["cached"] == want["cached"]
+    assert got["tokens"] == want["tokens"]
+    assert_logprobs_close(got["prompt_logprobs"], want["prompt_logprobs"])
 
 
 def _file_llm(path: str, store: str, **kw) -> LLM:
