@@ -214,7 +214,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
 
   const int64_t max_rows = tile * c.grp;
   const int64_t ld = (max_rows + kLanes - 1) / kLanes * kLanes;  // rows padded to whole vectors
-  // Per thread: Q^T [c.D x ld], the key block widened to float [kKeyBlock x c.D] (bf16 only:
+  // Per thread: Q^T [c.D x ld], the key block widened to float [kKeyBlock x c.D] (bf16 and FP8 caches;
   // float32 keys are read in place), S^T [kKeyBlock x ld], O [ld x c.D], running max, sum and
   // rescale [ld] each; plus the block's key and value row addresses.
   const int64_t per_thread = c.D * ld + kKeyBlock * c.D + kKeyBlock * ld + ld * c.D + 3 * ld;
