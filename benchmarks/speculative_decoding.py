@@ -11,7 +11,7 @@ Prints the CPU, tokens/s of each engine per workload (best of --rounds), the acc
 tokens. Last line, machine-readable:
     RESULT copy_ratio=<spec/plain tok/s> copy1_ratio=<...> open_ratio=<...> acceptance=<copy's>
 
-    python benchmarks/speculative_decoding.py [--k 4] [--max-tokens 96] [--rounds 2]
+    python benchmarks/speculative_decoding.py [--k 4] [--max-tokens 96] [--rounds 2] [--dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -59,11 +59,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", help="the model dtype (auto: the checkpoint's, float32 on the demo model)")
     args = ap.parse_args(argv)
     print(f"CPU: {cpu_name()}")
     spec_config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
-    engines = {"plain": LLM(args.model), "plain1": LLM(args.model, num_scheduler_steps=1),
-               "spec": LLM(args.model, speculative_config=spec_config)}
+    kw = dict(dtype=args.dtype)
+    engines = {"plain": LLM(args.model, **kw), "plain1": LLM(args.model, num_scheduler_steps=1, **kw),
+               "spec": LLM(args.model, speculative_config=spec_config, **kw)}
     print(f"dtype {engines['plain'].engine.runner.dtype}; k={args.k}, {args.max_tokens} tokens")
     for llm in engines.values():  # warm-up: kernels built, pages touched
         timed(llm, OPEN[:1], 8)

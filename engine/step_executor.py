@@ -19,12 +19,18 @@ from hybridkv.model_executor.model_runner import ModelRunner, RunnerOutput, Samp
 from hybridkv.model_executor.token_bitmask import TokenBitmask
 
 
+# Decode steps a burst runs at most while speculative decoding is on (see StepExecutor.__init__).
+SPECULATIVE_BURST_STEPS = 4
+
+
 class StepExecutor:
     def __init__(self, kv: KVCacheManager, runner: ModelRunner, max_model_len: int, burst_limit: int,
                  stats: dict, speculative: bool = False) -> None:
         """burst_limit: the most decode steps one model call may run (1: never a burst).
-        stats: the engine's counters ("burst_calls" is counted here). speculative: n-gram drafts
-        are verified (engine/speculative/): never a burst, which would skip k steps of drafting."""
+        stats: the engine's counters ("burst_calls" is counted here). speculative: drafts are
+        verified (engine/speculative/): a step that verifies drafts is never a burst, and one in
+        which no request found a draft runs a short one (SPECULATIVE_BURST_STEPS), so text that
+        does not repeat keeps most of what bursts save while drafting resumes soon after."""
         self.kv, self.runner, self.max_model_len = kv, runner, max_model_len
         self.burst_limit = burst_limit
         self.speculative = speculative
@@ -58,10 +64,11 @@ class StepExecutor:
 
     # -- decode bursts (num_scheduler_steps) ------------------------------------------------------
     def _burst_steps(self, sched: SchedulerOutput, scheduler: Scheduler) -> int:
-        if (self.burst_limit <= 1 or self.speculative or sched.preempted or self.kv.storage is not None
+        if (self.burst_limit <= 1 or sched.drafts or sched.preempted or self.kv.storage is not None
                 or self.runner.hot_buffers is not None or not self.runner.burst_fits(len(sched.scheduled))):
             return 1
-        return burst_steps(self.burst_limit, [s.request for s in sched.scheduled],
+        limit = min(self.burst_limit, SPECULATIVE_BURST_STEPS) if self.speculative else self.burst_limit
+        return burst_steps(limit, [s.request for s in sched.scheduled],
                            [s.num_new_tokens for s in sched.scheduled], scheduler.num_running,
                            scheduler.num_waiting, self.max_model_len)
 

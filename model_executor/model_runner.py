@@ -530,6 +530,7 @@ class ModelRunner:
         """Whether execute_burst can run this many decodes here (asked before their pages are
         allocated): the model's burst path takes them, and nothing execute_burst refuses is on."""
         return (self.device.type == "cpu" and self.captured_logits is None and self.host_cache is None
+                and self.mtp_drafter is None  # its draft extend follows every forward
                 and 0 < num_decodes <= self.model.decode_burst_rows())
 
     @torch.inference_mode()
