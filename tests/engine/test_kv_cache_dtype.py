@@ -293,3 +293,21 @@ def test_full_and_sliding_spaces_under_an_equal_budget(tiny_ckpt):
     so the bytes FP8 saves beyond the cap go to the full space: at least twice its pages."""
     auto, fp8 = (_pages_under_budget(tiny_ckpt("gemma3_text"), kv, 4 << 20) for kv in ("auto", "fp8"))
     assert fp8["full"] >= 2 * auto["full"] and fp8["swa"] >= auto["swa"], (auto, fp8)
+
+
+def test_twice_the_4k_token_requests_and_twice_the_host_tier_tokens_under_equal_budgets(tiny_ckpt):
+    """Capacity as a server sees it: the 4,096-token requests an equal device budget holds at
+    once (whole pages each), and the tokens an equal host-tier budget (hicache_size) holds."""
+    path = tiny_ckpt("llama", max_position_embeddings=4096)
+    fit, host_tokens = {}, {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(path, dtype="bfloat16", max_model_len=4096, kv_cache_memory_bytes=8 << 20, kv_cache_dtype=kv,
+                  enable_hierarchical_cache=True, hicache_size=16 << 20)
+        kv_manager = llm.engine.kv
+        P = kv_manager.page_size
+        fit[kv] = kv_manager.spaces["full"].num_pages // (4096 // P)
+        host_tokens[kv] = kv_manager.host_tier.pools["full"].num_pages * P
+        kv_manager.check_invariants()
+    assert fit["auto"] >= 4, fit
+    assert 1.95 <= fit["fp8"] / fit["auto"] <= 2.05, fit
+    assert 1.95 <= host_tokens["fp8"] / host_tokens["auto"] <= 2.05, host_tokens
