@@ -9,19 +9,17 @@ test forces accepted drafts by mixing in the model's own tokens. What is not sup
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hybridkv.entrypoints import LLM, SamplingParams
 from hybridkv.model_executor.model_runner import model_skeleton
 from host_tier_helpers import evict_device
 from mtp_reference import ReferenceMTP
+from speculative_helpers import V4_KW, v4_prompts
 from tiny_deepseek_v4 import build_v4_checkpoint, single_thread
 
 K = 3
 SPEC = {"method": "mtp", "num_speculative_tokens": K}
-# 32-token pages (the tiny model's ratios are 4 and 16), 48-token chunks, one step a call
-KW = dict(dtype="float32", block_size=32, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=48,
-          num_scheduler_steps=1)
+KW = V4_KW
 
 
 @pytest.fixture(autouse=True)
@@ -35,13 +33,6 @@ def v4(tmp_path_factory) -> str:
     return build_v4_checkpoint(str(tmp_path_factory.mktemp("v4mtp")), mtp=True)
 
 
-def _prompts(vocab: int) -> list[dict]:
-    g = torch.Generator().manual_seed(3)
-    pattern = torch.randint(3, vocab, (7,), generator=g).tolist()
-    return [{"prompt_token_ids": pattern * 6}, {"prompt_token_ids": torch.randint(3, vocab, (50,), generator=g).tolist()},
-            {"prompt_token_ids": pattern * 3 + torch.randint(3, vocab, (9,), generator=g).tolist()}]
-
-
 def _tokens(llm: LLM, prompts: list[dict], max_tokens: int = 40, sampled: bool = False) -> list[list[int]]:
     params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True) for _ in prompts]
     if sampled:  # the last request samples: it decodes without drafts, in the same batches
@@ -53,7 +44,7 @@ def _tokens(llm: LLM, prompts: list[dict], max_tokens: int = 40, sampled: bool =
 
 def test_greedy_tokens_equal_plain_decoding_with_chunks_prefix_hits_and_a_sampled_request(v4):
     plain, spec = LLM(v4, **KW), LLM(v4, speculative_config=SPEC, **KW)
-    prompts = _prompts(plain.engine.runner.config.vocab_size)
+    prompts = v4_prompts(plain.engine.runner.config.vocab_size)
     want = _tokens(plain, prompts, sampled=True)
     assert _tokens(spec, prompts, sampled=True) == want
     assert _tokens(spec, prompts, sampled=True) == want  # the second pass hits the first one's pages
@@ -69,7 +60,7 @@ def test_drafts_are_the_reference_mtp_chain_also_after_accepted_drafts(v4, monke
     for the first j positions (j = 0..K in turn), so steps accept 0..K drafts: the MTP state the
     draft extend keeps over accepted rows is checked by the next proposal."""
     plain = LLM(v4, **KW)
-    prompts = _prompts(plain.engine.runner.config.vocab_size)
+    prompts = v4_prompts(plain.engine.runner.config.vocab_size)
     want = _tokens(plain, prompts)
     spec = LLM(v4, speculative_config=SPEC, **KW)
     runner, scheduler = spec.engine.runner, spec.engine.scheduler
@@ -109,7 +100,7 @@ def test_preemption_and_host_tier_hits_keep_the_tokens(v4):
     the second pass (the MTP keys travel in the swa pages)."""
     kw = dict(KW, max_model_len=128)
     plain = LLM(v4, **kw)
-    prompts = _prompts(plain.engine.runner.config.vocab_size)
+    prompts = v4_prompts(plain.engine.runner.config.vocab_size)
     want = _tokens(plain, prompts)
     specs = model_skeleton(v4, "float32", 128, "cpu", mtp=True).specs
     budget = int(4 * 32 * sum(s.bytes_per_slot for s in specs))  # 4 pages of each space: one request at a time
@@ -152,7 +143,7 @@ def test_hisparse_with_mtp_drafts_keeps_the_tokens(v4):
     """HiSparse with a top-k-sized hot buffer: the MTP layer (sliding-window only) reads no C4
     entry, and verified chunks never enter the hot buffers; two passes equal plain decoding."""
     plain = LLM(v4, **KW)
-    prompts = _prompts(plain.engine.runner.config.vocab_size)
+    prompts = v4_prompts(plain.engine.runner.config.vocab_size)
     want = _tokens(plain, prompts, sampled=True)
     spec = LLM(v4, speculative_config=SPEC, enable_hisparse=True, hisparse_config={"hot_buffer_size": 8}, **KW)
     assert [_tokens(spec, prompts, sampled=True) for _ in range(2)] == [want, want]

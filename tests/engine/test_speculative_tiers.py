@@ -8,6 +8,7 @@ import pytest
 
 from hybridkv.entrypoints import LLM, SamplingParams
 from host_tier_helpers import evict_device
+from speculative_helpers import assert_drafts_accepted_and_rejected, greedy_tokens
 from tp_helpers import kv_bytes, shut_down  # noqa: F401 - shut_down: a fixture
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -27,15 +28,7 @@ def _prompts(vocab: int, n: int = 4) -> list[dict]:
 
 
 def _tokens(llm: LLM, prompts: list[dict], max_tokens: int = 40) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    llm.engine.check_invariants()
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _drafted(llm: LLM) -> None:
-    st = llm.engine.stats
-    assert 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"], "drafts should be accepted and rejected"
+    return greedy_tokens(llm, prompts, max_tokens)
 
 
 def test_host_tier_hits_and_swap_preemption_keep_the_tokens(tiny_ckpt):
@@ -55,7 +48,7 @@ def test_host_tier_hits_and_swap_preemption_keep_the_tokens(tiny_ckpt):
     loaded = spec.engine.kv.host_tier.stats.loaded_pages["full"]
     assert _tokens(spec, prompts) == want
     assert spec.engine.kv.host_tier.stats.loaded_pages["full"] > loaded, "pass 2 should load prefixes from the host"
-    _drafted(spec)
+    assert_drafts_accepted_and_rejected(spec)
 
 
 def test_storage_tier_pages_written_with_speculation_serve_a_second_engine(tiny_ckpt, tmp_path):
@@ -69,7 +62,7 @@ def test_storage_tier_pages_written_with_speculation_serve_a_second_engine(tiny_
                  hicache_storage_prefetch_policy="wait_complete")
     first = LLM(path, speculative_config=SPEC, **store, **KW)
     assert _tokens(first, prompts) == want
-    _drafted(first)
+    assert_drafts_accepted_and_rejected(first)
     first.engine.storage.drain()
     second = LLM(path, speculative_config=SPEC, **store, **KW)
     got = second.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
@@ -93,5 +86,5 @@ def test_two_ranks_with_speculation_match_one_process_without(tiny_ckpt, shut_do
     shut_down(two)
     got = [_tokens(two, prompts) for _ in range(2)]
     assert got == want
-    _drafted(two)
+    assert_drafts_accepted_and_rejected(two)
     assert two.engine.kv.prefix_hits > 0

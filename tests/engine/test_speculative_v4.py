@@ -6,18 +6,17 @@ pages free or cached."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hybridkv.engine.speculative.config import SpeculativeConfig, draft_space_specs
-from hybridkv.entrypoints import LLM, SamplingParams
+from hybridkv.entrypoints import LLM
 from host_tier_helpers import evict_device
+from speculative_helpers import V4_KW, assert_drafts_accepted_and_rejected, greedy_tokens, v4_prompts
 from tiny_deepseek_v4 import build_v4_checkpoint, single_thread
 from tp_helpers import kv_bytes, shut_down  # noqa: F401 - shut_down: a fixture
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # 32-token pages (the tiny model's ratios are 4 and 16), 48-token chunks, one step a call
-KW = dict(dtype="float32", block_size=32, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=48,
-          num_scheduler_steps=1)
+KW = V4_KW
 
 
 @pytest.fixture(autouse=True)
@@ -31,34 +30,19 @@ def v4(tmp_path_factory) -> str:
     return build_v4_checkpoint(str(tmp_path_factory.mktemp("v4")))
 
 
-def _prompts(vocab: int) -> list[dict]:
-    """A repeated pattern (drafts found and mostly accepted), a random prompt and a mix."""
-    g = torch.Generator().manual_seed(3)
-    pattern = torch.randint(3, vocab, (7,), generator=g).tolist()
-    return [{"prompt_token_ids": pattern * 6}, {"prompt_token_ids": torch.randint(3, vocab, (50,), generator=g).tolist()},
-            {"prompt_token_ids": pattern * 3 + torch.randint(3, vocab, (9,), generator=g).tolist()}]
-
-
 def _tokens(llm: LLM, prompts: list[dict], max_tokens: int = 60) -> list[list[int]]:
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
-    llm.engine.check_invariants()
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _drafted(llm: LLM) -> None:
-    st = llm.engine.stats
-    assert 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"], "drafts should be accepted and rejected"
+    return greedy_tokens(llm, prompts, max_tokens)
 
 
 def test_greedy_tokens_equal_plain_decoding_with_chunks_and_prefix_hits(v4):
     plain, spec = LLM(v4, **KW), LLM(v4, speculative_config=SPEC, **KW)
-    prompts = _prompts(plain.engine.runner.config.vocab_size)
+    prompts = v4_prompts(plain.engine.runner.config.vocab_size)
     want = _tokens(plain, prompts)
     assert _tokens(spec, prompts) == want
     assert spec.engine.stats["steps"] < plain.engine.stats["steps"]  # several tokens per verified step
     assert _tokens(spec, prompts) == want  # the second pass hits the first one's pages in every space
     assert spec.engine.kv.prefix_hits > 0
-    _drafted(spec)
+    assert_drafts_accepted_and_rejected(spec)
     rings = {n: s.ring for n, s in spec.engine.kv.specs.items() if s.ring is not None}
     assert rings == {"state_c4": 8 + 4, "state_c128": 16 + 4}, rings
 
@@ -69,7 +53,7 @@ def test_state_rings_one_window_wide_would_change_the_tokens(v4, monkeypatch):
     import hybridkv.engine.speculative.config as spec_config
 
     plain = LLM(v4, **KW)
-    prompts = _prompts(plain.engine.runner.config.vocab_size)
+    prompts = v4_prompts(plain.engine.runner.config.vocab_size)
     want = _tokens(plain, prompts)
     monkeypatch.setattr(spec_config, "draft_space_specs", lambda spec, specs: specs)
     narrow = LLM(v4, speculative_config=SPEC, **KW)
@@ -81,7 +65,7 @@ def test_preemption_and_host_tier_hits_keep_the_tokens(v4):
     on the second pass (all six spaces)."""
     kw = dict(KW, max_model_len=128)
     plain = LLM(v4, **kw)
-    prompts = _prompts(plain.engine.runner.config.vocab_size)
+    prompts = v4_prompts(plain.engine.runner.config.vocab_size)
     want = _tokens(plain, prompts)
     budget = kv_bytes(v4, 1, 4, page_size=32)  # 4 pages of each growing space: one request at a time
     spec = LLM(v4, speculative_config=SPEC, kv_cache_memory_bytes=budget, enable_hierarchical_cache=True, **kw)
@@ -90,18 +74,18 @@ def test_preemption_and_host_tier_hits_keep_the_tokens(v4):
     evict_device(spec)
     assert _tokens(spec, prompts) == want
     assert sum(spec.engine.kv.host_tier.stats.loaded_pages.values()) > 0, "pass 2 should load pages from the host"
-    _drafted(spec)
+    assert_drafts_accepted_and_rejected(spec)
 
 
 @pytest.mark.slow
 def test_two_ranks_with_speculation_match_one_process_without(v4, shut_down):
     plain = LLM(v4, **KW)
-    prompts = _prompts(plain.engine.runner.config.vocab_size)
+    prompts = v4_prompts(plain.engine.runner.config.vocab_size)
     want = _tokens(plain, prompts)
     two = LLM(v4, speculative_config=SPEC, tensor_parallel_size=2, **KW)
     shut_down(two)
     assert [_tokens(two, prompts) for _ in range(2)] == [want, want]
-    _drafted(two)
+    assert_drafts_accepted_and_rejected(two)
 
 
 @pytest.mark.parametrize("hot_buffer_size", [8, 12])
@@ -110,12 +94,12 @@ def test_hisparse_hot_buffers_never_hold_a_rejected_drafts_entry(v4, hot_buffer_
     chunk's entries reach the host mirror only, and a rejected draft's entry is overwritten there
     before any decode row can select it; two passes (prefix hits) give plain decoding's tokens."""
     plain = LLM(v4, **KW)
-    prompts = _prompts(plain.engine.runner.config.vocab_size)
+    prompts = v4_prompts(plain.engine.runner.config.vocab_size)
     want = _tokens(plain, prompts)
     spec = LLM(v4, speculative_config=SPEC, enable_hisparse=True, hisparse_config={"hot_buffer_size": hot_buffer_size},
                **KW)
     assert [_tokens(spec, prompts) for _ in range(2)] == [want, want]
-    _drafted(spec)
+    assert_drafts_accepted_and_rejected(spec)
     assert spec.engine.runner.hot_buffers.stats.handoffs > 0, "requests should decode from hot buffers"
     assert spec.engine.runner.hot_buffers.num_active == 0
 
