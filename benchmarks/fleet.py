@@ -17,24 +17,13 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import platform
 import time
 import urllib.parse
 
 from hybridkv.entrypoints.fleet import Fleet, free_port
+from cpu_info import cpu_name  # noqa: E402  (benchmarks/ is the script's folder)
 
 WAYS = [("cache_aware", True), ("round_robin", True), ("cache_aware", False), ("round_robin", False)]
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def chat_stream(base: str, model: str, messages: list[dict], max_tokens: int) -> tuple[str, float, int, int]:

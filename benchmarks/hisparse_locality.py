@@ -49,6 +49,7 @@ import time
 import torch
 
 from hybridkv.attention_backends.hisparse_buffers import NO_ENTRY, HotBuffers
+from cpu_info import cpu_name  # noqa: E402  (benchmarks/ is the script's folder)
 
 GROUP = 4  # DeepSeek-V4's csa_ratio: one C4 entry per 4 tokens
 ENTRY_BYTES = 584  # V4-Flash C4 entry as released (FP8 nope 448 + bf16 rope 64 x 2 + 8 B scales)
@@ -68,17 +69,6 @@ QA_ANSWER = ("Under section 6 of the license, you may convey a covered work in o
              "modified versions, unless the code cannot be modified by anyone.")
 GEN_TEXTS = ["/usr/share/common-licenses/Apache-2.0", "/usr/share/common-licenses/MPL-2.0",
              "/usr/share/common-licenses/GFDL-1.3"]
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 # -- the indexer stand-in --------------------------------------------------------------------

@@ -23,7 +23,7 @@ import importlib
 
 import hybridkv  # noqa: F401  (before torch: the OpenMP runtime the engine uses)
 from hybridkv import LLM, SamplingParams
-from speculative_decoding import cpu_name  # the benchmarks' CPU line (model name, family, model)
+from cpu_info import cpu_name  # noqa: E402  (benchmarks/ is the script's folder)
 
 
 def corpus_tokens(llm: LLM, modules: list[str]) -> list[int]:

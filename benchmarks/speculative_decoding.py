@@ -20,6 +20,7 @@ import time
 
 import hybridkv  # noqa: F401  (before torch: the OpenMP runtime the engine uses)
 from hybridkv import LLM, SamplingParams
+from cpu_info import cpu_name  # noqa: E402  (benchmarks/ is the script's folder)
 
 TEXT = ("def total_price(items, tax_rate):\n    subtotal = 0\n    for item in items:\n"
         "        subtotal += item.price * item.quantity\n    return subtotal * (1 + tax_rate)\n")
@@ -29,19 +30,6 @@ COPY = [f"Repeat this code exactly, renaming total_price to order_total:\n{TEXT}
         "Rewrite this list in the same order, one item per line: apples, pears, plums, figs, dates, limes."]
 OPEN = ["Write a short story about a lighthouse keeper.", "Explain why the sky is blue.",
         "Give three tips for learning a new language.", "What makes a good cup of coffee?"]
-
-
-def cpu_name() -> str:
-    """/proc/cpuinfo's model name, family and model (VMs often report a bare vendor name)."""
-    info: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                info.setdefault(key.strip(), value.strip())
-    except OSError:
-        return "unknown"
-    return f"{info.get('model name', 'unknown')}, family {info.get('cpu family', '?')} model {info.get('model', '?')}"
 
 
 def timed(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]]]:

@@ -26,11 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from hybridkv import LLM, SamplingParams  # noqa: E402
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown CPU")
+from cpu_info import cpu_name  # noqa: E402  (benchmarks/ is the script's folder)
 
 
 def run(path: str, tp: int, prompts: list[list[int]], tokens: int, **kw) -> tuple[list[list[int]], float, dict]:

@@ -9,6 +9,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_benchmark(name: str):
+    bench_dir = os.path.join(ROOT, "benchmarks")
+    if bench_dir not in sys.path:  # as when a script runs: its folder's modules (cpu_info) import
+        sys.path.insert(0, bench_dir)
     spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up there
