@@ -1,7 +1,6 @@
 """EngineConfig: everything an LLMEngine is built from (the LLM class and the CLI fill it)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 
 import torch
@@ -9,6 +8,7 @@ import torch
 from hybridkv.attention_backends.kv_cache_dtype import validate_kv_cache_dtype_name
 from hybridkv.attention_backends.registry import validate_attention_backend_name
 from hybridkv.engine.gap_budget import check_step_seconds
+from hybridkv.engine.json_config import json_object
 from hybridkv.engine.kv_event_publisher import KVEventsConfig
 from hybridkv.engine.node_layout import resolve_nodes
 from hybridkv.engine.speculative.config import SpeculativeConfig, check_speculation
@@ -208,12 +208,9 @@ class HiSparseConfig:
 
     @classmethod
     def parse(cls, value: str | dict | None) -> "HiSparseConfig":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value) if value.strip() else {}
-            except json.JSONDecodeError as e:
-                raise ValueError(f"hisparse_config is not valid JSON: {e}") from None
-        value = dict(value or {})
+        if value is None or (isinstance(value, str) and not value.strip()):
+            value = {}
+        value = json_object(value, "hisparse_config")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:

@@ -13,7 +13,6 @@ water mark loses batches (a gap in the sequence numbers says so); there is no re
 """
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -24,6 +23,7 @@ from typing import Any
 import msgspec
 
 from hybridkv.block_manager.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from hybridkv.engine.json_config import json_object
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +44,7 @@ class KVEventsConfig:
         """A config from a dict or JSON text (the CLI's); None when events are off."""
         if value is None or isinstance(value, KVEventsConfig):
             return value if value is None or value.enable_kv_cache_events else None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a JSON object, got {type(value).__name__}")
+        value = json_object(value, "kv_events_config")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known - {"replay_endpoint", "buffer_steps", "max_queue_size"})
         if unknown:

@@ -8,10 +8,10 @@ silently dropped flag would hide that outputs are decoded without it.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 
 from hybridkv.block_manager.space_spec import SpaceSpec
+from hybridkv.engine.json_config import json_object
 
 METHODS = ("ngram", "mtp")
 _NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
@@ -29,14 +29,7 @@ class SpeculativeConfig:
         """None (off), a dict or its JSON (the CLI's --speculative-config): checked in full."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict or its JSON, got {type(value).__name__}")
-        value = dict(value)
+        value = json_object(value, "speculative_config")
         method = value.get("method")
         if method not in METHODS:
             raise ValueError(f"speculative_config method {method!r} is not supported; supported: {list(METHODS)} "
