@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import re
 import signal
 import subprocess
 import sys
@@ -16,6 +14,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from server_log import read_lines, wait_for_url
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,21 +36,9 @@ def test_serve_subprocess_answers_http_and_exits_0_on_sigint(tiny_ckpt):
          "--keepalive-timeout", "5", "--max-connections", "64"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    lines: queue.Queue[str] = queue.Queue()
-    log: list[str] = []
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    lines, log = read_lines(proc), []
     try:
-        url = None
-        deadline = time.monotonic() + 120
-        while url is None:
-            assert proc.poll() is None, "server exited early:\n" + "".join(log)
-            try:
-                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail("no startup line within 120 s:\n" + "".join(log))
-            log.append(line)
-            m = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
-            url = m.group(1) if m else None
+        url = wait_for_url(proc, lines, log, 120)
         startup = "".join(log)
         assert "KV space 'full'" in startup and "API key required" in startup
         # The limits reached the server and the engine (the queue bound is read back from it).

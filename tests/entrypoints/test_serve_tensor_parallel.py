@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from server_log import read_lines, wait_for_url
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -74,24 +76,12 @@ def _start(path: str, *extra: str) -> tuple[subprocess.Popen, queue.Queue[str]]:
         cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True,
     )
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    return proc, lines
+    return proc, read_lines(proc)
 
 
 def _url(proc: subprocess.Popen, lines: queue.Queue[str], log: list[str]) -> str:
     """The server's base URL, from its startup log (kept in log)."""
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, "server exited early:\n" + "".join(log)
-        try:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
-            pytest.fail("no startup line within 180 s:\n" + "".join(log))
-        log.append(line)
-        m = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
-        if m:
-            return m.group(1)
+    return wait_for_url(proc, lines, log, 180)
 
 
 @pytest.mark.slow

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
-import re
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Iterator
 
-import pytest
+from server_log import read_lines, wait_for_url
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -28,20 +24,9 @@ def demo_server(*extra_args: str) -> Iterator[str]:
          "--served-model-name", "demo", "--disable-access-log", *extra_args],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    lines: queue.Queue[str] = queue.Queue()
-    log: list[str] = []
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    lines, log = read_lines(proc), []
     try:
-        url, deadline = None, time.monotonic() + 300
-        while url is None:
-            assert proc.poll() is None, "server exited early:\n" + "".join(log)
-            try:
-                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail("no startup line within 300 s:\n" + "".join(log))
-            log.append(line)
-            m = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
-            url = m.group(1) if m else None
+        url = wait_for_url(proc, lines, log, 300)
         yield url
     finally:
         proc.terminate()
