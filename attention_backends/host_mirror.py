@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from hybridkv.attention_backends.hybrid_metadata import KeySet
+from hybridkv.attention_backends.kv_cache_dtype import byte_view, quantize_kv
 
 
 def crosses(pool: torch.Tensor, compute: torch.Tensor) -> bool:
@@ -32,10 +33,11 @@ def crosses(pool: torch.Tensor, compute: torch.Tensor) -> bool:
 
 
 def gather_rows(pool: torch.Tensor, slots: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """pool[slots] on like's device and in like's dtype."""
+    """pool[slots] on like's device and in like's dtype (as an FP8 like stores them: rows of a
+    model-dtype pool are quantized as the KV writes quantize)."""
     if not crosses(pool, like):
-        return pool[slots].to(like.dtype)
-    rows = pool[slots.to(pool.device)]
+        return quantize_kv(pool[slots], like.dtype).to(like.dtype)
+    rows = quantize_kv(pool[slots.to(pool.device)], like.dtype)
     return rows.to(like.device, like.dtype, non_blocking=True)
 
 
@@ -91,5 +93,5 @@ class MirrorWrites:
             self._copied.synchronize()
             self._copied = None
         for pool, values in self._pending:
-            pool.index_copy_(0, self.slots, values.to(pool.dtype))
+            byte_view(pool).index_copy_(0, self.slots, byte_view(quantize_kv(values, pool.dtype).to(pool.dtype)))
         self._pending.clear()

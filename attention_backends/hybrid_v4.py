@@ -19,6 +19,7 @@ from hybridkv.attention_backends.backend import HybridAttentionBackend
 from hybridkv.attention_backends.cpu_kernels import load_indexer_topk, load_joint_attention
 from hybridkv.attention_backends.hisparse_reads import HiSparseLayer, read_mirror, select_from_buffer, swap_in
 from hybridkv.attention_backends.hybrid_metadata import HybridAttentionMetadata, KeySet, QueryBlock
+from hybridkv.attention_backends.kv_cache_dtype import byte_view, dequantize_kv, quantize_kv
 
 INDEXER_SCORE_ELEMS = 1 << 24  # cap on [queries, heads, entries] elements per indexer matmul
 # Indexer keys scored per matmul: each query block is scored against its causal C4 entries in
@@ -53,8 +54,10 @@ class IndexerQuery:
 
 
 def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """values [n, D] into cache rows `slots`, as the cache stores them: cast to its dtype, or
+    saturated and rounded into its FP8 format (kv_cache_dtype.quantize_kv)."""
     if slots.numel():
-        cache.index_copy_(0, slots, values.to(cache.dtype))
+        byte_view(cache).index_copy_(0, slots, byte_view(quantize_kv(values, cache.dtype).to(cache.dtype)))
 
 
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -416,7 +419,7 @@ def online_joint_attention(
     for cache, ks in sources:
         for lo in range(0, ks.length, key_block):
             hi = min(ks.length, lo + key_block)
-            keys = cache[ks.slots[..., lo:hi]]
+            keys = dequantize_kv(cache[ks.slots[..., lo:hi]], q.dtype)
             logits = _logits(q, keys, scale)
             if not ks.all_visible(hi):
                 logits = logits.masked_fill_(~ks.column_mask(lo, hi)[:, None, :], float("-inf"))
@@ -429,8 +432,9 @@ def online_joint_attention(
     return acc / run_sum
 
 
-def _gather(cache: torch.Tensor, ks: KeySet) -> torch.Tensor:
-    return cache[ks.slots]
+def _gather(cache: torch.Tensor, ks: KeySet, dtype: torch.dtype) -> torch.Tensor:
+    """The key set's rows of cache in dtype (an FP8 cache's keys widened exactly)."""
+    return dequantize_kv(cache[ks.slots], dtype)
 
 
 def torch_joint_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, KeySet]], sinks: torch.Tensor,
@@ -438,7 +442,7 @@ def torch_joint_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, Key
     """The joint softmax over every (cache, key set) source plus the sink, in torch ops."""
     if sum(ks.length for _, ks in sources[1:]) <= ENTRY_KEY_BLOCK:
         # Short entry lists (every CSA block: top-k; HCA below ENTRY_KEY_BLOCK entries): one pass.
-        return joint_softmax_attention(q, [(_gather(cache, ks), ks.mask) for cache, ks in sources], sinks, scale)
+        return joint_softmax_attention(q, [(_gather(cache, ks, q.dtype), ks.mask) for cache, ks in sources], sinks, scale)
     return online_joint_attention(q, sources, sinks, scale, ENTRY_KEY_BLOCK)
 
 

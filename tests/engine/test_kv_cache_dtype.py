@@ -1,7 +1,7 @@
 """The FP8 KV cache (kv_cache_dtype) end to end on tiny checkpoints.
 
 - the option: EngineConfig / LLM / `--kv-cache-dtype` accept vLLM's four names and nothing else,
-  and the paths that cannot read an FP8 cache (DeepSeek-V4, xformers) refuse it by name;
+  and the path that cannot read an FP8 cache (xformers) refuses it by name;
 - the pools are FP8 and greedy tokens mostly agree with the model-dtype cache;
 - exactness: prefix hits, chunked prefill, preemption, the fused decode, the host tier and the
   file storage tier give exactly the tokens (and logprobs) of the same FP8 engine without them,
@@ -17,11 +17,10 @@ import torch
 from hybridkv.engine.config import EngineConfig
 from hybridkv.entrypoints import LLM, SamplingParams
 from hybridkv.entrypoints.cli import build_parser, engine_kwargs
-from hybridkv.model_executor.model_runner import kv_cache_dtype_for, model_skeleton
+from hybridkv.model_executor.model_runner import kv_cache_dtype_for
 from hybridkv.model_executor.models.llama import LlamaForCausalLM
 from host_tier_helpers import assert_host_hit_at_every_boundary
 from prefix_hit_helpers import LOGPROB_ATOL, assert_hit_at_every_boundary, run_one, sampled_logprobs
-from tiny_deepseek_v4 import build_v4_checkpoint
 from tp_helpers import assert_logprobs_close, prompts_with_prefix, run_passes, shut_down  # noqa: F401 - a fixture
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
@@ -76,14 +75,6 @@ def test_fp8_resolves_to_e4m3_and_auto_to_the_model_dtype():
 def test_xformers_refuses_an_fp8_cache_by_name():
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8'.*xformers"):
         kv_cache_dtype_for(LlamaForCausalLM, "fp8", torch.bfloat16, "xformers")
-
-
-def test_deepseek_v4_refuses_an_fp8_cache_before_the_weights_load(tmp_path):
-    path = build_v4_checkpoint(str(tmp_path))
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e5m2'.*DeepseekV4ForCausalLM.*swa, c4, c128"):
-        model_skeleton(path, "float32", 256, "cpu", kv_cache_dtype="fp8_e5m2")
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'.*DeepseekV4ForCausalLM"):
-        LLM(path, dtype="float32", max_model_len=256, kv_cache_dtype="fp8")
 
 
 # -- pools and agreement -------------------------------------------------------------------------

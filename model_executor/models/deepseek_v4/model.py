@@ -60,9 +60,10 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     @classmethod
     def fp8_kv_cache_refusal(cls) -> str | None:
-        return ("its swa, c4, c128 and indexer caches are written and read in the model dtype by the V4 "
-                "attention (attention_backends/hybrid_v4.py, the joint-attention and indexer CPU kernels, "
-                "the Triton V4 kernels, HiSparse's hot buffers), none of which has an FP8 path yet")
+        # swa, c4, c128 and indexer pools in FP8 (every V4 write quantizes, every read widens);
+        # the compressor state stays float32 (STATE_DTYPE): its rows are pooled by a softmax
+        # whose logits FP8 would shift.
+        return None
 
     @classmethod
     def cpu_kernel_loaders(cls, dtype: torch.dtype) -> list:
