@@ -10,20 +10,38 @@ Speed: greedy decode tokens/s at batch 1 and 32, prompts of --context tokens of 
 --decode-tokens generated each, engines alternating over --rounds rounds (best round each), the
 decode time from the last first token to the last token (every prompt is prefilled in one step).
 
+--tiny-v4 measures accuracy only, on a tiny random DeepSeek-V4 built in a temp dir (the test
+suite's config: sliding, CSA, HCA and CSA layers; its swa, c4, c128 and indexer pools FP8, the
+compressor state float32), with the same text through that checkpoint's tokenizer. Random weights
+have flatter next-token distributions than a trained model, so its agreement is a lower bound on
+what the kernels' rounding costs, not a model-quality figure.
+
 Prints the CPU, a table, and a machine-readable last line:
     RESULT agree_fp8=<frac> dlogp_mean_fp8=<> dlogp_max_fp8=<> b1_ratio_fp8=<fp8/auto> b32_ratio_fp8=<...> ...
 
     python benchmarks/kv_cache_dtype.py [--dtype auto|bfloat16] [--formats fp8,fp8_e5m2] [--rounds 2]
+    python benchmarks/kv_cache_dtype.py --tiny-v4 [--dtype float32|bfloat16]
 """
 from __future__ import annotations
 
 import argparse
 import inspect
 import importlib
+import os
+import sys
+import tempfile
 
 import hybridkv  # noqa: F401  (before torch: the OpenMP runtime the engine uses)
 from hybridkv import LLM, SamplingParams
 from cpu_info import cpu_name  # noqa: E402  (benchmarks/ is the script's folder)
+
+
+def build_tiny_v4(tmp: str) -> str:
+    """The test suite's tiny DeepSeek-V4 (tests/tiny_deepseek_v4.py), long enough for the chunks."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from tiny_deepseek_v4 import build_v4_checkpoint
+
+    return build_v4_checkpoint(os.path.join(tmp, "v4"), max_position_embeddings=4096)
 
 
 def corpus_tokens(llm: LLM, modules: list[str]) -> list[int]:
@@ -65,10 +83,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=512, help="prompt tokens of the decode runs")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tiny-v4", action="store_true", help="accuracy only, on a tiny random DeepSeek-V4")
     args = ap.parse_args(argv)
     print(f"CPU: {cpu_name()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.tiny_v4:
+            args.model = build_tiny_v4(tmp)
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     kinds = ["auto"] + args.formats.split(",")
-    engines = {k: LLM(args.model, dtype=args.dtype, kv_cache_dtype=k, max_num_seqs=32,
+    extra = dict(block_size=128) if args.tiny_v4 else {}
+    engines = {k: LLM(args.model, dtype=args.dtype, kv_cache_dtype=k, max_num_seqs=32, **extra,
                       max_num_batched_tokens=32 * args.context,
                       max_model_len=max(args.chunk_tokens + 1, args.context + 2 * args.decode_tokens))
                for k in kinds}
@@ -92,6 +119,9 @@ def main(argv: list[str] | None = None) -> None:
         mean, worst = sum(deltas) / len(deltas), max(deltas)
         result.update({f"agree_{k}": agree, f"dlogp_mean_{k}": mean, f"dlogp_max_{k}": worst})
         print(f"| {k} | {agree:.4f} | {mean:.4f} | {worst:.3f} |")
+    if args.tiny_v4:
+        print("RESULT " + " ".join(f"{key}={value:.4g}" for key, value in result.items()))
+        return
 
     prompts = [tokens[i * 97:i * 97 + args.context] for i in range(32)]
     for llm in engines.values():  # warm-up: kernels, pages touched
