@@ -167,8 +167,8 @@ def test_backend_over_fp8_matches_attention_over_the_dequantized_cache(fmt, wind
 @pytest.mark.parametrize("fmt", FORMATS, ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernels", "torch"])
 def test_bfloat16_queries_over_fp8_match_the_dequantized_cache(fmt, kernels):
-    """bfloat16 models: the FP8 cache goes to the float32-FMA kernels (never the bf16-products
-    prefill kernel) or the torch path; against float32 attention over the same values the only
+    """bfloat16 models: the FP8 cache goes to the paged kernel, the float32-FMA prefill kernel
+    (never the bf16-products one) or the torch path; against float32 attention over the same values the only
     difference is the bf16 rounding of the queries' inputs and of the output."""
     step = _Step(fmt, 9, 16, 6, 2, 64, torch.bfloat16, seed=3)
     be = TorchNativeAttention(cpu_kernels=kernels)
@@ -178,6 +178,32 @@ def test_bfloat16_queries_over_fp8_match_the_dequantized_cache(fmt, kernels):
     ref, _, _ = step.run(TorchNativeAttention(cpu_kernels=False), widened=True)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_bfloat16_decode_over_fp8_equals_the_bfloat16_cache_of_its_values_bit_for_bit(fmt, d):
+    """bfloat16 queries in the paged kernel: FP8 keys are scored as the bf16 numbers they are (by
+    vdpbf16ps through a byte -> bf16 table where the CPU has AVX512-BF16, else widened to float),
+    so the output equals the kernel's over a bfloat16 cache of the same values, bit for bit. The
+    keys hold every finite FP8 byte, in blocks of 16 keys and a tail."""
+    module = load_paged_attention_module()
+    g = torch.Generator().manual_seed(d)
+    byte = torch.arange(256, dtype=torch.uint8)
+    finite = byte[torch.isfinite(byte.view(fmt).float())]
+    page, seqs, keys = 16, 3, 37  # 37 keys: two 16-key score blocks and a 5-key tail per sequence
+    codes = finite[torch.randint(0, finite.numel(), (2, seqs * 3 * page, d), generator=g)]
+    codes[0].view(-1)[: finite.numel()] = finite  # every finite byte among the keys
+    kc, vc = codes[0][None].view(fmt).clone(), codes[1][None].view(fmt).clone()
+    table = torch.arange(seqs * 3, dtype=torch.int32).view(seqs, 3)
+    groups = torch.arange(seqs + 1, dtype=torch.int32)
+    q = (torch.randn(seqs, 3, d, generator=g) * 0.01).to(torch.bfloat16)
+    positions = torch.full((seqs,), keys - 1, dtype=torch.int32)
+    args = (table, groups, groups[:-1], positions, page, -1, d**-0.5)
+    out = module.paged_attention(q, kc, vc, *args)
+    want = module.paged_attention(q, kc.to(torch.bfloat16), vc.to(torch.bfloat16), *args)
+    assert torch.isfinite(want.float()).all()
+    assert torch.equal(out, want)
 
 
 @pytest.mark.slow
