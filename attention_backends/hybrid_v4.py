@@ -344,16 +344,19 @@ FUSED_INDEXER_MAX_HEADS = 64
 
 def cpu_indexer_topk(indexer: IndexerQuery, rows: slice, iks: KeySet, k: int, key_block: int | None = None) -> torch.Tensor:
     """indexer_topk through the fused C++ kernel (cpu_kernels/indexer_topk.cpp) where it applies:
-    CPU caches in float32 or bfloat16, a causal key set with shared slots or in page form, at
-    most FUSED_INDEXER_MAX_HEADS heads. It scores, applies ReLU and the head sum, and keeps a
-    running top-k per row in one pass over the keys read in place, so neither [rows, heads,
-    entries] scores nor a top-k over [rows, entries] ever exist. The selection rule is
-    select_topk's; the scores differ from the torch path's only in summation order. Elsewhere
-    (no compiler, HYBRIDKV_CPU_KERNELS=0, other devices or forms) indexer_topk runs."""
+    CPU caches in float32, bfloat16 or an FP8 format (kv_cache_dtype; widened exactly as they are
+    read, so an FP8 cache selects what its float32 widening selects), a causal key set with
+    shared slots or in page form, at most FUSED_INDEXER_MAX_HEADS heads. It scores, applies ReLU
+    and the head sum, and keeps a running top-k per row in one pass over the keys read in place,
+    so neither [rows, heads, entries] scores nor a top-k over [rows, entries] ever exist. The
+    selection rule is select_topk's; the scores differ from the torch path's only in summation
+    order. Elsewhere (no compiler, HYBRIDKV_CPU_KERNELS=0, other dtypes, devices or forms)
+    indexer_topk runs."""
     kernel = load_indexer_topk() if indexer.keys.device.type == "cpu" else None
     keys, n = indexer.keys, rows.stop - rows.start
     if (kernel is None or iks.visible is None or not (iks.shared or iks.pages is not None) or n == 0
-            or keys.dtype not in (torch.float32, torch.bfloat16) or keys.dim() != 2 or not keys.is_contiguous()
+            or keys.dtype not in (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+            or keys.dim() != 2 or not keys.is_contiguous()
             or indexer.q.shape[1] > FUSED_INDEXER_MAX_HEADS or not 1 <= k <= iks.length):
         return indexer_topk(indexer, rows, iks, k, key_block)
     q = indexer.q[rows].float().contiguous()
@@ -455,16 +458,19 @@ FUSED_ATTENTION_MAX_COLUMNS = 1 << 16
 def cpu_joint_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, KeySet]], sinks: torch.Tensor,
                         scale: float) -> torch.Tensor:
     """torch_joint_attention through the fused C++ kernel (cpu_kernels/joint_attention.cpp) where
-    it applies: float32 queries and caches on the CPU, at most FUSED_ATTENTION_MAX_COLUMNS columns.
-    The keys are read in place through their slots, only the columns each row may read, with no
-    [rows, heads, keys] logits, masks or concatenations; the result differs from the torch path's
-    only in summation order. Elsewhere (no compiler, HYBRIDKV_CPU_KERNELS=0, other dtypes or
-    devices) torch_joint_attention runs."""
+    it applies: float32 queries on the CPU, caches all float32 or all one FP8 format
+    (kv_cache_dtype; widened exactly as they are read, so the result is the float32 kernel's on
+    the widened caches), at most FUSED_ATTENTION_MAX_COLUMNS columns. The keys are read in place
+    through their slots, only the columns each row may read, with no [rows, heads, keys] logits,
+    masks or concatenations; the result differs from the torch path's only in summation order.
+    Elsewhere (no compiler, HYBRIDKV_CPU_KERNELS=0, other or mixed dtypes, other devices)
+    torch_joint_attention runs."""
     kernel = load_joint_attention() if q.device.type == "cpu" else None
+    cache_dtypes = {c.dtype for c, _ in sources}
     if (kernel is None or q.dtype != torch.float32 or q.shape[0] == 0
             or sum(ks.length for _, ks in sources) > FUSED_ATTENTION_MAX_COLUMNS
-            or any(c.dtype != torch.float32 or c.device.type != "cpu" or c.dim() != 2 or not c.is_contiguous()
-                   for c, _ in sources)):
+            or len(cache_dtypes) > 1 or not cache_dtypes <= {torch.float32, torch.float8_e4m3fn, torch.float8_e5m2}
+            or any(c.device.type != "cpu" or c.dim() != 2 or not c.is_contiguous() for c, _ in sources)):
         return torch_joint_attention(q, sources, sinks, scale)
     empty = torch.empty(0, dtype=torch.long)
     none = torch.empty(0, dtype=torch.bool)

@@ -127,6 +127,26 @@ inline void store_vec(c10::BFloat16* p, vfloat v) {
   const vhalf h = to_bf16_bits(v);
   std::memcpy(p, &h, sizeof(h));
 }
+
+// n elements of a type load_vec reads, as float32 at dst (exact): whole vectors, then the tail
+// one by one. For FP8 rows the vectors matter: c10's scalar conversion is a dozen instructions an
+// element.
+template <typename T>
+inline void widen(const T* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store_vec(dst + i, load_vec(src + i));
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+// A row of n elements as float32: a float row as it is, any other widened into scratch (n floats).
+template <typename T>
+inline const float* float_row(const T* src, int64_t n, float* scratch) {
+  if constexpr (std::is_same<T, float>::value) {
+    return src;
+  } else {
+    widen(src, n, scratch);
+    return scratch;
+  }
+}
 // v rounded to scalar_t's precision and back to float (what a torch op's output dtype does to it).
 template <typename scalar_t>
 inline vfloat round_vec(vfloat v) {

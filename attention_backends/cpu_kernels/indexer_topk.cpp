@@ -23,6 +23,10 @@
 //     element broadcast against one vector multiplies it into kLanes heads at once (run). Few
 //     rows are also split by entry segments across threads, and the segments' top-k sets are
 //     merged at the end by the same total order.
+//
+// The key cache is float32, bfloat16 or an FP8 format (kv_cache_dtype, scale 1.0), widened to
+// float32 as it is read -- exactly its values, so a key cache and its float32 widening give the
+// same scores to the bit, and the same selection.
 // torch: torch_headers.h, put in front by the loader (attention_backends/cpu_kernels/build.py)
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -38,6 +42,7 @@
 
 namespace {
 
+using hybridkv_cpu::float_row;
 using hybridkv_cpu::hsum;
 using hybridkv_cpu::kLanes;
 using hybridkv_cpu::load_vec;
@@ -134,10 +139,30 @@ struct KeyAddress {
   }
 };
 
+// Key rows per tile of the page form (score_range): E x HV = 8 accumulators, enough independent
+// FMAs to fill both pipes, and few enough key rows per tile that the DRAM streams keep up
+// (measured 12 -> 8: 0.62 -> 0.51 ms over 32k entries from DRAM, 0.92 -> 0.66 ms over scattered
+// pages; 6 was slower again).
+template <int HV>
+constexpr int kTileEntries = HV >= 8 ? 1 : 8 / HV;
+
+// A key row as the page form scores it, element by element: float32 and bfloat16 rows in place (a
+// bfloat16 element widens with one shift; widening its rows first was no faster at 64 heads), FP8
+// rows widened whole into `scratch` (c floats) by vector loads first: c10's scalar e4m3fn
+// conversion costs more than the element's FMAs (scoring through it was 1.5x slower at 64 heads
+// and 7x at 16; 2-core Zen 4).
+inline const float* scored_row(const float* key, int64_t, float*) { return key; }
+inline const c10::BFloat16* scored_row(const c10::BFloat16* key, int64_t, float*) { return key; }
+template <typename fp8_t>
+inline const float* scored_row(const fp8_t* key, int64_t c, float* scratch) {
+  hybridkv_cpu::widen(key, c, scratch);
+  return scratch;
+}
+
 // Scores of E consecutive entries of one row: keys[i] point at their rows, qt is the row's
 // transposed query [c][HV * kLanes], wv its head weights; out[i] = scale * sum_h w_h ReLU(dot_h).
-template <typename kt, int HV, int E>
-inline void score_entries(const kt* const* keys, const float* qt, const vfloat* wv, int64_t c, float scale,
+template <int HV, int E, typename rt>
+inline void score_entries(const rt* const* keys, const float* qt, const vfloat* wv, int64_t c, float scale,
                           float* out) {
   vfloat acc[E][HV];
   for (int i = 0; i < E; ++i)
@@ -160,15 +185,14 @@ inline void score_entries(const kt* const* keys, const float* qt, const vfloat* 
   }
 }
 
-// Entries [e0, e1) of row r into its running top-k.
+// Entries [e0, e1) of row r into its running top-k. widened: kTileEntries<HV> * c floats, the
+// scratch of scored_row.
 template <typename kt, int HV>
 void score_range(const kt* key_base, int64_t c, const KeyAddress& addr, int64_t r, int64_t e0, int64_t e1,
-                 const float* qt, const vfloat* wv, float scale, RunningTopK& top) {
-  // E x HV = 8 accumulators: enough independent FMAs to fill both pipes, and few enough key
-  // rows per tile that the DRAM streams keep up (measured 12 -> 8: 0.62 -> 0.51 ms over 32k
-  // entries from DRAM, 0.92 -> 0.66 ms over scattered pages; 6 was slower again).
-  constexpr int E = HV >= 8 ? 1 : 8 / HV;
+                 const float* qt, const vfloat* wv, float scale, float* widened, RunningTopK& top) {
+  constexpr int E = kTileEntries<HV>;
   const kt* keys[E];
+  decltype(scored_row(key_base, c, widened)) rows[E];  // what score_entries reads
   float s[E];
   int64_t e = e0;
   constexpr int64_t kAhead = 2 * E;  // entries prefetched ahead: decode reads keys from DRAM once
@@ -183,12 +207,13 @@ void score_range(const kt* key_base, int64_t c, const KeyAddress& addr, int64_t 
     } else {
       for (int i = 0; i < E; ++i) keys[i] = key_base + addr.slot(r, e + i) * c;
     }
-    score_entries<kt, HV, E>(keys, qt, wv, c, scale, s);
+    for (int i = 0; i < E; ++i) rows[i] = scored_row(keys[i], c, widened + i * c);
+    score_entries<HV, E>(rows, qt, wv, c, scale, s);
     top.offer_block(s, E, e);
   }
   for (; e < e1; ++e) {
-    keys[0] = key_base + addr.slot(r, e) * c;
-    score_entries<kt, HV, 1>(keys, qt, wv, c, scale, s);
+    rows[0] = scored_row(key_base + addr.slot(r, e) * c, c, widened);
+    score_entries<HV, 1>(rows, qt, wv, c, scale, s);
     top.offer(s[0], e);
   }
 }
@@ -207,6 +232,7 @@ void run(const float* q, const float* w, const kt* key_base, const KeyAddress& a
     }
   const int64_t chunks = (n + kRowChunk - 1) / kRowChunk;
   at::parallel_for(0, chunks * segments, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened(kTileEntries<HV> * c);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r0 = item / segments * kRowChunk, r1 = std::min(n, r0 + kRowChunk);
       const int64_t seg = item % segments, s0 = seg * seg_len;
@@ -220,7 +246,8 @@ void run(const float* q, const float* w, const kt* key_base, const KeyAddress& a
           if (hi <= b0) continue;
           vfloat wv[HV];
           for (int j = 0; j < HV; ++j) wv[j] = load_vec(wp.data() + r * Hp + j * kLanes);
-          score_range<kt, HV>(key_base, c, addr, r, b0, hi, qt.data() + r * c * Hp, wv, scale, tops[seg * n + r]);
+          score_range<kt, HV>(key_base, c, addr, r, b0, hi, qt.data() + r * c * Hp, wv, scale, widened.data(),
+                              tops[seg * n + r]);
         }
       }
     }
@@ -283,7 +310,7 @@ void run_packed(const float* q, const float* w, const kt* key_base, const int64_
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t grain = (n + threads - 1) / threads;
   at::parallel_for(0, n, grain, [&](int64_t r0, int64_t r1) {
-    std::vector<float> packed(c * block), s(tile);  // block is a multiple of tile
+    std::vector<float> packed(c * block), s(tile), widened(c);  // block is a multiple of tile
     int64_t s1 = 0;
     for (int64_t r = r0; r < r1; ++r) {
       tops[r].reset(k);
@@ -295,9 +322,9 @@ void run_packed(const float* q, const float* w, const kt* key_base, const int64_
       const int64_t width = (b1 - b0 + tile - 1) / tile * tile;
       for (int64_t e = b0; e < b0 + width; ++e) {
         float* col = packed.data() + (e - b0) / tile * c * tile + (e - b0) % tile;
-        if (e < b1) {
-          const kt* src = key_base + slots[e] * c;
-          for (int64_t d = 0; d < c; ++d) col[d * tile] = to_float(src[d]);
+        if (e < b1) {  // a key widened by vector loads, then transposed into its column
+          const float* src = float_row(key_base + slots[e] * c, c, widened.data());
+          for (int64_t d = 0; d < c; ++d) col[d * tile] = src[d];
         } else {
           for (int64_t d = 0; d < c; ++d) col[d * tile] = 0.f;
         }
@@ -336,12 +363,26 @@ void dispatch(int hv, const float* q, const float* w, const kt* key_base, const 
   TORCH_CHECK(false, "indexer heads need ", hv, " vectors; at most ", kMaxHeadVectors, " are supported");
 }
 
+// f(kt{}) with kt the key cache's element type.
+template <typename F>
+void with_key_type(c10::ScalarType type, F&& f) {
+  switch (type) {
+    case torch::kFloat32: return f(float{});
+    case torch::kBFloat16: return f(c10::BFloat16{});
+    case at::kFloat8_e4m3fn: return f(c10::Float8_e4m3fn{});
+    case at::kFloat8_e5m2: return f(c10::Float8_e5m2{});
+    default:
+      TORCH_CHECK(false, "key_cache must be float32, bfloat16, float8_e4m3fn or float8_e5m2, got ", type);
+  }
+}
+
 }  // namespace
 
-// q [n, h, c] float32, w [n, h] float32 (the per-head weights), key_cache [slots, c] float32 or
-// bfloat16; the entries' slots either shared (`slots` [L] int64, `pages` empty) or per row in
-// page form (`pages` [n, page_cols] int64, slots_per_page); visible [n] int64 (row r reads entries
-// [0, visible[r])); 1 <= k <= L. Returns [n, k] int64 entry indices, ascending per row.
+// q [n, h, c] float32, w [n, h] float32 (the per-head weights), key_cache [slots, c] float32,
+// bfloat16, float8_e4m3fn or float8_e5m2; the entries' slots either shared (`slots` [L] int64,
+// `pages` empty) or per row in page form (`pages` [n, page_cols] int64, slots_per_page); visible
+// [n] int64 (row r reads entries [0, visible[r])); 1 <= k <= L. Returns [n, k] int64 entry
+// indices, ascending per row.
 torch::Tensor indexer_topk(torch::Tensor q, torch::Tensor w, torch::Tensor key_cache, torch::Tensor slots,
                            torch::Tensor pages, int64_t slots_per_page, torch::Tensor visible, int64_t length,
                            int64_t k, double scale) {
@@ -385,25 +426,15 @@ torch::Tensor indexer_topk(torch::Tensor q, torch::Tensor w, torch::Tensor key_c
   std::vector<RunningTopK> tops(segments * n);
   const int hv = static_cast<int>((h + kLanes - 1) / kLanes);
   const float sc = static_cast<float>(scale);
-  if (n && addr.slots) {  // shared slot list: packed key blocks, rows split over threads
-    if (key_cache.scalar_type() == torch::kFloat32)
-      run_packed<float>(q.data_ptr<float>(), w.data_ptr<float>(), key_cache.data_ptr<float>(), addr.slots, vis, n,
-                        h, c, k, sc, tops);
-    else if (key_cache.scalar_type() == torch::kBFloat16)
-      run_packed<c10::BFloat16>(q.data_ptr<float>(), w.data_ptr<float>(), key_cache.data_ptr<c10::BFloat16>(),
-                                addr.slots, vis, n, h, c, k, sc, tops);
-    else
-      TORCH_CHECK(false, "key_cache must be float32 or bfloat16, got ", key_cache.scalar_type());
-  } else if (n) {
-    if (key_cache.scalar_type() == torch::kFloat32)
-      dispatch<float>(hv, q.data_ptr<float>(), w.data_ptr<float>(), key_cache.data_ptr<float>(), addr, vis, n, h, c,
-                      k, sc, segments, seg_len, tops);
-    else if (key_cache.scalar_type() == torch::kBFloat16)
-      dispatch<c10::BFloat16>(hv, q.data_ptr<float>(), w.data_ptr<float>(), key_cache.data_ptr<c10::BFloat16>(),
-                              addr, vis, n, h, c, k, sc, segments, seg_len, tops);
-    else
-      TORCH_CHECK(false, "key_cache must be float32 or bfloat16, got ", key_cache.scalar_type());
-  }
+  with_key_type(key_cache.scalar_type(), [&](auto type) {
+    using kt = decltype(type);
+    const kt* keys = key_cache.data_ptr<kt>();
+    if (n && addr.slots)  // shared slot list: packed key blocks, rows split over threads
+      run_packed<kt>(q.data_ptr<float>(), w.data_ptr<float>(), keys, addr.slots, vis, n, h, c, k, sc, tops);
+    else if (n)
+      dispatch<kt>(hv, q.data_ptr<float>(), w.data_ptr<float>(), keys, addr, vis, n, h, c, k, sc, segments, seg_len,
+                   tops);
+  });
   auto out = torch::empty({n, k}, torch::kInt64);
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
