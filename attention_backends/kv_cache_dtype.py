@@ -46,8 +46,9 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """x as the cache stores it: unchanged for a cache of x's dtype, else saturated to the FP8
-    format's finite range and cast (round to nearest even, scale 1.0)."""
-    if not is_fp8(cache_dtype):
+    format's finite range and cast (round to nearest even, scale 1.0). Rows already in the format
+    (an FP8 mirror's) are returned as they are: torch has no clamp for FP8."""
+    if not is_fp8(cache_dtype) or x.dtype == cache_dtype:
         return x
     limit = torch.finfo(cache_dtype).max
     return x.clamp(-limit, limit).to(cache_dtype)
