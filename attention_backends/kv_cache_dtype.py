@@ -45,8 +45,9 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 
 def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """x as the cache stores it: unchanged for a non-FP8 cache or FP8 x, else saturated to the FP8
-    format's finite range and cast (round to nearest even, scale 1.0)."""
+    """x as the cache stores it: unchanged for a non-FP8 cache, else saturated to the FP8
+    format's finite range and cast (round to nearest even, scale 1.0). Rows already in the format
+    (an FP8 mirror's) are returned as they are: torch has no clamp for FP8."""
     if not is_fp8(cache_dtype) or x.dtype == cache_dtype:
         return x
     limit = torch.finfo(cache_dtype).max

@@ -14,6 +14,13 @@ the buffers live instead of as a dozen torch ops per layer (SGLang fuses the sam
               mirror lives in host memory on CUDA: then the kernel skips the copy and the misses
               are gathered on the host and moved in one transfer (host_mirror.gather_rows).
 
+The copy stores the torch swap-in's bytes. A source in the buffer's dtype (the mirror: a pool of
+the cache's dtype) is copied as it is, FP8 as raw bytes; a source in another dtype (the
+compressor's new entries, in the model dtype, into FP8 buffers) is converted by torch first, as
+the torch path converts it (kv_cache_dtype.quantize_kv), since a cast inside the kernel rounds
+and saturates differently. Such a source holds only one step's new entries, so converting all
+of it costs little.
+
 Rows are distinct within a call, so the programs never write the same table row or slot. The
 rank step compares every pair of a row's slots, SLOT_BLOCK x SLOT_BLOCK at a time: O(size^2)
 comparisons per row instead of the reference's O(size log size) sort, but all of them in one
@@ -29,6 +36,7 @@ import triton.language as tl
 
 from hybridkv.attention_backends.hisparse_buffers import NO_ENTRY, HotBuffers
 from hybridkv.attention_backends.host_mirror import crosses, gather_rows
+from hybridkv.attention_backends.kv_cache_dtype import byte_view, quantize_kv
 
 # Sort key of a slot holding a hit (never a victim), and of the block's padding beyond `size`.
 _PROTECTED = tl.constexpr(1 << 62)
@@ -97,14 +105,14 @@ def _swap_in_kernel(
     glob = tl.where(valid, 1 + base + slot, 0)
     tl.store(slots_out_ptr + i * K + ks, glob, mask=k_in)
     tl.store(found_out_ptr + i * K + ks, found.to(tl.int8), mask=k_in)
-    # 4. copy the misses in from the source (when it is on this device).
+    # 4. copy the misses in from the source (when it is on this device): same dtype, a plain copy.
     if COPY:
         msl = tl.load(mslot_ptr + i * K + ks, mask=k_in, other=0)
         for d0 in range(0, D, BLOCK_D):
             ds = d0 + tl.arange(0, BLOCK_D)
             m2 = missed[:, None] & (ds < D)[None, :]
-            v = tl.load(mirror_ptr + msl[:, None] * mirror_stride + ds[None, :], mask=m2, other=0.0)
-            tl.store(hot_ptr + glob[:, None] * hot_stride + ds[None, :], v.to(hot_ptr.dtype.element_ty), mask=m2)
+            v = tl.load(mirror_ptr + msl[:, None] * mirror_stride + ds[None, :], mask=m2)
+            tl.store(hot_ptr + glob[:, None] * hot_stride + ds[None, :], v, mask=m2)
 
 
 def triton_swap_in(buffers: HotBuffers, layer: int, rows: torch.Tensor, entries: torch.Tensor, hot: torch.Tensor,
@@ -134,9 +142,12 @@ def triton_swap_in(buffers: HotBuffers, layer: int, rows: torch.Tensor, entries:
     slots = torch.empty(n, k, dtype=torch.long, device=entries.device)
     found = torch.empty(n, k, dtype=torch.int8, device=entries.device)
     D = hot.shape[1]
-    src = source if copy_here else hot  # not read without COPY
+    if copy_here and source.dtype != hot.dtype:  # the step's new entries, as the buffer stores them
+        source = quantize_kv(source, hot.dtype).to(hot.dtype)
+    dst = byte_view(hot)  # FP8 moves as bytes (the kernel copies, it never converts)
+    src = byte_view(source) if copy_here else dst  # not read without COPY
     _swap_in_kernel[(n,)](
-        table, last_use, rows, entries, kernel_slots, hot, src, hot.stride(0), src.stride(0), slots, found,
+        table, last_use, rows, entries, kernel_slots, dst, src, dst.stride(0), src.stride(0), slots, found,
         buffers.tick(), k, S, D,
         BLOCK_K=triton.next_power_of_2(k), BLOCK_S=min(SLOT_BLOCK, triton.next_power_of_2(S)),
         BLOCK_D=min(64, triton.next_power_of_2(D)), COPY=copy_here,
@@ -145,6 +156,7 @@ def triton_swap_in(buffers: HotBuffers, layer: int, rows: torch.Tensor, entries:
     if not copy_here:
         missed = valid & ~hit
         if bool(missed.any()):
-            hot.index_copy_(0, slots[missed], gather_rows(source, source_slots[missed.to(source_slots.device)], hot))
+            byte_view(hot).index_copy_(0, slots[missed],
+                                       byte_view(gather_rows(source, source_slots[missed.to(source_slots.device)], hot)))
     buffers.account(rows, valid, hit, insert)
     return slots

@@ -19,6 +19,10 @@ entries a block reads: KeySet.take of the chosen ones, or HiSparse's hot-buffer 
 metadata itself, and the compressor's pooling (model side). The cache writes the model makes
 through `backend.write` (SWA keys, compressor state rows, pooled entries) are kv_write.write_rows.
 
+FP8 caches (kv_cache_dtype): the writes store write_slots' bytes (write_rows quantizes by
+torch, then copies), and both kernels widen each FP8 key to float32 as they load it -- exact,
+as the reference's reads widen them (dequantize_kv) -- so they compute on the same numbers.
+
 Top-k guarantee: the selection is the reference's strict total order (score descending,
 then entry index ascending) applied to the kernel's scores, and blockwise selection equals
 the one-shot one. So the chosen entries are exactly the torch path's whenever the scores are
@@ -69,6 +73,7 @@ def _indexer_scores_kernel(
     c = tl.arange(0, BLOCK_C)
     in_range = cols < hi
     slots = tl.load(slots_ptr + t * ss_t + cols * ss_l, mask=in_range, other=0)
+    # Keys of any cache dtype, FP8 included, widened exactly to float32.
     keys = tl.load(keys_ptr + slots[:, None] * sk_s + c[None, :] * sk_c,
                    mask=in_range[:, None] & (c < dim)[None, :], other=0.0).to(tl.float32)
     q = tl.load(q_ptr + t * sq_t + h[:, None] * sq_h + c[None, :] * sq_c,
@@ -131,6 +136,7 @@ def _attend(
         cols = start + tl.arange(0, BLOCK_N)
         in_range = cols < length
         slots = tl.load(slots_ptr + t * ss_t + cols * ss_l, mask=in_range, other=0)
+        # Keys of any cache dtype, FP8 included, widened exactly to float32.
         keys = tl.load(cache_ptr + slots[:, None] * sc_s + d[None, :] * sc_d,
                        mask=in_range[:, None] & (d < dim)[None, :], other=0.0).to(tl.float32)
         if HAS_MASK:

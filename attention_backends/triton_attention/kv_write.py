@@ -7,8 +7,10 @@ key and value rows.
 write_rows: DeepSeek-V4's caches are one row per slot, [num_slots, D] (the SWA keys, the
 compressor's raw state rows and gates, the C4/C128/indexer entries a closed window pooled into;
 hybrid_metadata names their slots). One program per row copies it. Rows in another dtype are
-converted by torch first, as the torch twin (hybrid_v4.write_slots) does: a kernel-side cast
-rounds differently from torch's under the interpreter, and the cache must hold the same bits.
+converted by torch first, as the torch twin (hybrid_v4.write_slots) converts them (into an FP8
+cache: kv_cache_dtype.quantize_kv, saturated, round to nearest even), so the kernel only copies,
+FP8 as bytes: a kernel-side cast rounds differently from torch's under the interpreter, and the
+cache must hold the same bits.
 
 Either way a step costs one program per new row whatever the pool size. Addresses are computed
 in int64: a pool of millions of slots times the row stride overflows int32.
@@ -19,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridkv.attention_backends.kv_cache_dtype import quantize_kv
+from hybridkv.attention_backends.kv_cache_dtype import byte_view, quantize_kv
 
 
 @triton.jit
@@ -88,7 +90,8 @@ ROW_BLOCK_D = 256  # columns per inner step: V4's head_dim (512) in two
 
 
 def write_rows(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """cache[slots[r]] = values[r] in cache's dtype, for every row r (cache [num_slots, D])."""
+    """cache[slots[r]] = values[r] as the cache stores it (cast to its dtype, or quantized into its
+    FP8 format), for every row r (cache [num_slots, D]): the bytes hybrid_v4.write_slots stores."""
     if not slots.numel():
         return
     if values.dim() != 2 or cache.dim() != 2 or values.shape[1] != cache.shape[1]:
@@ -96,11 +99,13 @@ def write_rows(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -
                          f"shape {tuple(cache.shape)}")
     if values.shape[0] != slots.numel():
         raise ValueError(f"{values.shape[0]} rows for {slots.numel()} slots")
-    values = values.to(cache.dtype)  # a no-op when the model computes in the cache's dtype
+    # A no-op when the model computes in the cache's dtype. FP8 moves as bytes: the kernel never converts.
+    rows = byte_view(quantize_kv(values, cache.dtype).to(cache.dtype))
+    dst = byte_view(cache)
     D = cache.shape[1]
     _row_write_kernel[(slots.numel(),)](
-        values, cache, slots,
-        *values.stride(), *cache.stride(),
+        rows, dst, slots,
+        *rows.stride(), *dst.stride(),
         D,
         BLOCK_D=min(ROW_BLOCK_D, triton.next_power_of_2(D)),
     )
