@@ -184,11 +184,13 @@ from hybridkv.attention_backends.triton_attention.prefill_attention import _pref
 
 INT_PTRS = {"block_table_ptr": "*i32", "context_lens_ptr": "*i32", "query_start_ptr": "*i32", "slot_ptr": "*i64"}
 
-def compile_for_gpu(kernel, dtype, **constexprs):
+def compile_for_gpu(kernel, dtype, cache=None, **constexprs):  # cache: the K/V caches' type if not dtype (FP8)
     sig = {}
     for name in inspect.signature(kernel.fn).parameters:
         if name in constexprs:
             sig[name] = "constexpr"
+        elif name in ("k_cache_ptr", "v_cache_ptr") and cache is not None:
+            sig[name] = "*" + cache
         elif name.endswith("_ptr"):
             sig[name] = INT_PTRS.get(name, "*fp32" if name.startswith("part_") else "*" + dtype)
         else:
@@ -203,6 +205,11 @@ compile_for_gpu(_decode_merge_kernel, "bf16", HEAD_DIM=128, NUM_SPLITS=8, BLOCK_
 compile_for_gpu(_prefill_kernel, "bf16", GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, USE_WINDOW=True, DOT_DTYPE=tl.bfloat16,
                 PRECISION="tf32", BLOCK_M=64, BLOCK_N=64, BLOCK_D=128)
 compile_for_gpu(_kv_write_kernel, "bf16", BLOCK_H=8, BLOCK_D=128)
+for fp8 in ("fp8e4nv", "fp8e5"):  # kv_cache_dtype "fp8" / "fp8_e5m2": bf16 queries, FP8 caches
+    compile_for_gpu(_decode_split_kernel, "bf16", cache=fp8, GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, NUM_SPLITS=8,
+                    USE_WINDOW=True, DOT_DTYPE=tl.bfloat16, PRECISION="tf32", BLOCK_H=16, BLOCK_N=64, BLOCK_D=128)
+    compile_for_gpu(_prefill_kernel, "bf16", cache=fp8, GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, USE_WINDOW=True,
+                    DOT_DTYPE=tl.bfloat16, PRECISION="tf32", BLOCK_M=64, BLOCK_N=64, BLOCK_D=128)
 
 # DeepSeek-V4's kernels (pointer names do not all end in _ptr: explicit signatures), at its
 # sizes (head_dim 512, 64 indexer heads of 128), blocks kept small enough to compile in seconds.
@@ -216,21 +223,24 @@ from hybridkv.attention_backends.triton_attention.hisparse_swap_in import _swap_
 from hybridkv.attention_backends.triton_attention.hybrid_v4 import _hybrid_attention_kernel, _indexer_scores_kernel
 from hybridkv.attention_backends.triton_attention.kv_write import _row_write_kernel
 
-compile_explicit(_indexer_scores_kernel, {"q_ptr": "*bf16", "w_ptr": "*bf16", "keys_ptr": "*bf16", "slots_ptr": "*i64",
-                                          "visible_ptr": "*i64", "out_ptr": "*fp32", "scale": "fp32"},
-                 dict(BLOCK_H=64, BLOCK_C=128, BLOCK_N=32))
-for a_mask, b_mask in ((True, False), (True, True)):  # C128 (causal prefix) and CSA top-k (explicit mask)
-    types = {"q_ptr": "*bf16", "out_ptr": "*bf16", "sink_ptr": "*fp32", "scale": "fp32"}
-    for src, masked in (("a", a_mask), ("b", b_mask)):
-        types |= {f"{src}_cache": "*bf16", f"{src}_slots": "*i64", f"{src}_valid": "*u8" if masked else "*i64"}
-    compile_explicit(_hybrid_attention_kernel, types,
-                     dict(A_MASK=a_mask, B_MASK=b_mask, BLOCK_H=16, BLOCK_N=32, BLOCK_D=512))
-for copy in (True, False):  # the source on the device, and the host mirror (copied after the kernel)
+for keys in ("bf16", "fp8e4nv", "fp8e5"):  # the model dtype, or an FP8 KV cache (kv_cache_dtype)
+    compile_explicit(_indexer_scores_kernel, {"q_ptr": "*bf16", "w_ptr": "*bf16", "keys_ptr": "*" + keys,
+                                              "slots_ptr": "*i64", "visible_ptr": "*i64", "out_ptr": "*fp32",
+                                              "scale": "fp32"},
+                     dict(BLOCK_H=64, BLOCK_C=128, BLOCK_N=32))
+    for a_mask, b_mask in ((True, False), (True, True)):  # C128 (causal prefix) and CSA top-k (explicit mask)
+        types = {"q_ptr": "*bf16", "out_ptr": "*bf16", "sink_ptr": "*fp32", "scale": "fp32"}
+        for src, masked in (("a", a_mask), ("b", b_mask)):
+            types |= {f"{src}_cache": "*" + keys, f"{src}_slots": "*i64", f"{src}_valid": "*u8" if masked else "*i64"}
+        compile_explicit(_hybrid_attention_kernel, types,
+                         dict(A_MASK=a_mask, B_MASK=b_mask, BLOCK_H=16, BLOCK_N=32, BLOCK_D=512))
+for copy, rows in ((True, "bf16"), (False, "bf16"), (True, "u8")):  # on the device, the host mirror, FP8 bytes
     compile_explicit(_swap_in_kernel, {"entry_ptr": "*i64", "used_ptr": "*i64", "rows_ptr": "*i64", "req_ptr": "*i64",
-                                       "mslot_ptr": "*i64", "hot_ptr": "*bf16", "mirror_ptr": "*bf16",
+                                       "mslot_ptr": "*i64", "hot_ptr": "*" + rows, "mirror_ptr": "*" + rows,
                                        "slots_out_ptr": "*i64", "found_out_ptr": "*i8", "clock": "i64"},
                      dict(BLOCK_K=128, BLOCK_S=128, BLOCK_D=64, COPY=copy))
 compile_explicit(_row_write_kernel, {"src_ptr": "*bf16", "dst_ptr": "*bf16", "slot_ptr": "*i64"}, dict(BLOCK_D=256))
+compile_explicit(_row_write_kernel, {"src_ptr": "*u8", "dst_ptr": "*u8", "slot_ptr": "*i64"}, dict(BLOCK_D=256))  # FP8 bytes
 print("compiled")
 """
 
@@ -238,7 +248,8 @@ print("compiled")
 def test_kernels_compile_for_a_gpu():
     """The interpreter accepts things the GPU compiler refuses (a plain-float global in a kernel,
     a dot below 16x16): lower every kernel -- dense, DeepSeek-V4's indexer, hybrid attention and
-    row write, HiSparse's swap-in -- to an sm_90 cubin with triton's own ptxas, no GPU needed."""
+    row write, HiSparse's swap-in, each also over FP8 caches -- to an sm_90 cubin with triton's
+    own ptxas, no GPU needed."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # triton 3.9 warns when it is unset
     res = _run_python(_COMPILE_FOR_SM90, env)

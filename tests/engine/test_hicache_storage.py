@@ -82,13 +82,15 @@ def test_another_configuration_on_the_same_store_gets_no_hits(tiny_ckpt, tmp_pat
     assert other.engine.storage.stats.corrupt_values == 0, "keys should differ, not only headers"
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_damaged_stored_pages_are_misses_and_outputs_unchanged(tiny_ckpt, tmp_path, damage):
+def test_damaged_stored_pages_are_misses_and_outputs_unchanged(tiny_ckpt, tmp_path, damage, kv):
+    """A flipped byte or a cut file, in the model dtype's pages or an FP8 cache's."""
     path = tiny_ckpt("llama")
-    ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    ref = LLM(path, dtype="float32", max_model_len=256, enable_prefix_caching=False, kv_cache_dtype=kv)
     prompt = _prompt(100, ref.engine.runner.config.vocab_size, seed=5)
     want = run_one(ref, prompt, 6)
-    first = _file_llm(path, str(tmp_path))
+    first = _file_llm(path, str(tmp_path), kv_cache_dtype=kv)
     run_one(first, prompt, 1)
     _stored(first)
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs)
@@ -104,7 +106,7 @@ def test_damaged_stored_pages_are_misses_and_outputs_unchanged(tiny_ckpt, tmp_pa
             f.write(data)
         else:
             f.truncate(len(data) // 2)
-    second = _file_llm(path, str(tmp_path))
+    second = _file_llm(path, str(tmp_path), kv_cache_dtype=kv)
     out = run_one(second, prompt, 6)
     assert out.num_cached_tokens < 96, "a damaged page was served"
     assert second.engine.storage.stats.corrupt_values + second.engine.storage.backend.stats.errors > 0, \
