@@ -22,6 +22,7 @@ Also: KV bytes per token the engine holds (all its spaces) vs a dense cache, and
 arithmetic at DeepSeek-V4-Flash dimensions.
 
     python benchmarks/v4_long_context.py [--contexts 1024 4096 16384 65536 131072] [--threads 2] [--profile]
+    python benchmarks/v4_long_context.py --contexts 16384 --ref-context 16384 --kv-cache-dtype fp8  # FP8 vs auto
 """
 from __future__ import annotations
 
@@ -242,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-attention", action="store_true",
                     help="run the joint softmax attention and mHC's Sinkhorn loop in torch ops instead of the fused "
                          "CPU kernels (the A/B)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                    help="the measured engine's KV pools; the reference engine keeps auto, so with --ref-context "
+                         "equal to the context the 'vs ref' column is this dtype's decode against auto's, interleaved")
     ap.add_argument("--profile", action="store_true",
                     help=f"also profile {PROFILE_STEPS} decode steps at each context and at the reference")
     args = ap.parse_args(argv)
@@ -262,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or build_checkpoint(os.path.join(tmp, "v4"), args.index_heads, args.index_dim)
         max_len = max(max(args.contexts), args.ref_context) + args.decode_steps * args.repeats + PROFILE_STEPS + 8
-        llm = LLM(path, dtype="float32", max_model_len=max_len, max_num_seqs=1, max_num_batched_tokens=args.chunk)
+        llm = LLM(path, dtype="float32", max_model_len=max_len, max_num_seqs=1, max_num_batched_tokens=args.chunk,
+                  kv_cache_dtype=args.kv_cache_dtype)
         ref_len = args.ref_context + args.decode_steps * args.repeats + PROFILE_STEPS + 8
         ref_llm = LLM(path, dtype="float32", max_model_len=ref_len, max_num_seqs=1,
                       max_num_batched_tokens=args.chunk)
