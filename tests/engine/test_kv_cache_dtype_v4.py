@@ -5,7 +5,7 @@
 - exactness relative to FP8 without the feature: prefix hits, chunked prefill, preemption, the
   host tier, the file storage tier, HiSparse, n-gram and MTP speculation and two ranks give the
   tokens and logprobs of a plain FP8 engine, since every path reads the pools' FP8 bytes and the
-  tiers and hot buffers move those bytes as they are;
+  tiers and hot buffers move those bytes as they are; a bfloat16 model's HiSparse tokens too;
 - capacity: an equal budget holds about twice the 4k-token requests of a bfloat16 cache (the
   whole-history spaces halve; the windowed state rings, float32, do not).
 """
@@ -170,6 +170,20 @@ def test_two_ranks_match_one_process_with_fp8_caches(v4, prompts, reference, shu
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in reference]
     for g, w in zip(got, reference):
         torch.testing.assert_close(torch.tensor(sampled_logprobs(g)), torch.tensor(sampled_logprobs(w)), atol=1e-2, rtol=0)
+
+
+def test_a_bfloat16_model_reads_its_fp8_pools_and_hisparse_keeps_its_tokens(v4, prompts):
+    """The bf16 paths (queries, compressor pooling and the joint softmax in bf16; the torch path,
+    as the fused kernels take float32 queries) over FP8 pools: HiSparse's buffers hold the pools'
+    bytes, so its tokens are the plain engine's."""
+    kw = dict(KW, dtype="bfloat16", enable_prefix_caching=False)
+    want = generate_greedy(LLM(v4, **kw), prompts, 12)
+    llm = LLM(v4, enable_hisparse=True, hisparse_config={"hot_buffer_size": 8}, **kw)
+    assert llm.engine.runner.kv_caches["c4"][0].dtype == torch.float8_e4m3fn
+    got = generate_greedy(llm, prompts, 12)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.engine.runner.hot_buffers.stats.loaded > 0
+    llm.engine.check_invariants()
 
 
 # -- capacity ------------------------------------------------------------------------------------
