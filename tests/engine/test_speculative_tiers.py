@@ -1,7 +1,8 @@
 """N-gram speculative decoding beside the KV tiers and tensor parallelism: the host tier (prefix
 hits loaded back from host memory, swap preemption), the storage tier (a second engine on the same
 directory) and two ranks give plain greedy decoding's tokens; only accepted tokens' pages are ever
-written below the device, and every tier ends with nothing held."""
+written below the device, and every tier ends with nothing held. A rank killed during a verify step
+fails generate cleanly, naming it."""
 from __future__ import annotations
 
 import pytest
@@ -88,3 +89,36 @@ def test_two_ranks_with_speculation_match_one_process_without(tiny_ckpt, shut_do
     assert got == want
     assert_drafts_accepted_and_rejected(two)
     assert two.engine.kv.prefix_hits > 0
+
+
+@pytest.mark.slow
+def test_a_rank_killed_during_a_verify_step_fails_generate_naming_it(tiny_ckpt, shut_down):
+    """A worker killed while the ranks run a verify step (a token and its drafts): generate raises
+    naming the rank within the step timeout, no worker is left behind, and the engine stays failed."""
+    import os
+    import signal
+    import time
+
+    from tp_helpers import no_workers_left
+
+    path = tiny_ckpt("llama", num_key_value_heads=4)
+    llm = LLM(path, tensor_parallel_size=2, speculative_config=SPEC, **KW)
+    shut_down(llm)
+    runner = llm.engine.runner
+    worker, execute, verify_steps = runner.workers.processes[0], runner.execute, []
+
+    def execute_then_kill(batch, plan):
+        if batch.verify:
+            verify_steps.append(1)
+            if len(verify_steps) == 2:  # drafts verified once already; the second verify loses rank 1
+                os.kill(worker.pid, signal.SIGKILL)
+        return execute(batch, plan)
+
+    runner.execute = execute_then_kill
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker rank 1 exited with code -9"):
+        _tokens(llm, _prompts(300))
+    assert len(verify_steps) == 2 and time.monotonic() - t0 < 30
+    assert no_workers_left()
+    with pytest.raises(RuntimeError, match="rank 1"):
+        _tokens(llm, _prompts(300, 1))
