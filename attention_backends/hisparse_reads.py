@@ -30,7 +30,7 @@ import torch
 from hybridkv.attention_backends.hisparse_buffers import NO_ENTRY, HotBuffers
 from hybridkv.attention_backends.host_mirror import MirrorWrites, gather_rows, keys_on
 from hybridkv.attention_backends.hybrid_metadata import C4, HybridAttentionMetadata, HybridLayout, KeySet
-from hybridkv.attention_backends.kv_cache_dtype import byte_view
+from hybridkv.attention_backends.kv_cache_dtype import store_rows
 from hybridkv.attention_backends.metadata import NULL_SLOT, StepSequences
 
 
@@ -114,7 +114,7 @@ def swap_in(buffers: HotBuffers, layer: int, rows: torch.Tensor, entries: torch.
     Triton backend's fused swap-in kernel."""
     a = buffers.assign(layer, rows, entries, insert=insert)
     if bool(a.missed.any()):
-        byte_view(hot).index_copy_(0, a.slots[a.missed], byte_view(gather_rows(source, source_slots[a.missed], hot)))
+        store_rows(hot, a.slots[a.missed], gather_rows(source, source_slots[a.missed], hot))
     return a.slots
 
 

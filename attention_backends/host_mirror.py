@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from hybridkv.attention_backends.hybrid_metadata import KeySet
-from hybridkv.attention_backends.kv_cache_dtype import byte_view, quantize_kv
+from hybridkv.attention_backends.kv_cache_dtype import quantize_kv, store_rows
 
 
 def crosses(pool: torch.Tensor, compute: torch.Tensor) -> bool:
@@ -36,9 +36,8 @@ def gather_rows(pool: torch.Tensor, slots: torch.Tensor, like: torch.Tensor) -> 
     """pool[slots] on like's device and in like's dtype (as an FP8 like stores them: rows of a
     model-dtype pool are quantized as the KV writes quantize)."""
     if not crosses(pool, like):
-        return quantize_kv(pool[slots], like.dtype).to(like.dtype)
-    rows = quantize_kv(pool[slots.to(pool.device)], like.dtype)
-    return rows.to(like.device, like.dtype, non_blocking=True)
+        return quantize_kv(pool[slots], like.dtype)
+    return quantize_kv(pool[slots.to(pool.device)], like.dtype).to(like.device, non_blocking=True)
 
 
 def keys_on(pool: torch.Tensor, keys: KeySet, compute: torch.Tensor) -> tuple[torch.Tensor, KeySet]:
@@ -93,5 +92,5 @@ class MirrorWrites:
             self._copied.synchronize()
             self._copied = None
         for pool, values in self._pending:
-            byte_view(pool).index_copy_(0, self.slots, byte_view(quantize_kv(values, pool.dtype).to(pool.dtype)))
+            store_rows(pool, self.slots, values)
         self._pending.clear()

@@ -19,7 +19,7 @@ from hybridkv.attention_backends.backend import HybridAttentionBackend
 from hybridkv.attention_backends.cpu_kernels import load_indexer_topk, load_joint_attention
 from hybridkv.attention_backends.hisparse_reads import HiSparseLayer, read_mirror, select_from_buffer, swap_in
 from hybridkv.attention_backends.hybrid_metadata import HybridAttentionMetadata, KeySet, QueryBlock
-from hybridkv.attention_backends.kv_cache_dtype import byte_view, dequantize_kv, quantize_kv
+from hybridkv.attention_backends.kv_cache_dtype import FP8_DTYPES, dequantize_kv, store_rows
 
 INDEXER_SCORE_ELEMS = 1 << 24  # cap on [queries, heads, entries] elements per indexer matmul
 # Indexer keys scored per matmul: each query block is scored against its causal C4 entries in
@@ -57,7 +57,7 @@ def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) 
     """values [n, D] into cache rows `slots`, as the cache stores them: cast to its dtype, or
     saturated and rounded into its FP8 format (kv_cache_dtype.quantize_kv)."""
     if slots.numel():
-        byte_view(cache).index_copy_(0, slots, byte_view(quantize_kv(values, cache.dtype).to(cache.dtype)))
+        store_rows(cache, slots, values)
 
 
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -355,7 +355,7 @@ def cpu_indexer_topk(indexer: IndexerQuery, rows: slice, iks: KeySet, k: int, ke
     kernel = load_indexer_topk() if indexer.keys.device.type == "cpu" else None
     keys, n = indexer.keys, rows.stop - rows.start
     if (kernel is None or iks.visible is None or not (iks.shared or iks.pages is not None) or n == 0
-            or keys.dtype not in (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+            or keys.dtype not in (torch.float32, torch.bfloat16, *FP8_DTYPES)
             or keys.dim() != 2 or not keys.is_contiguous()
             or indexer.q.shape[1] > FUSED_INDEXER_MAX_HEADS or not 1 <= k <= iks.length):
         return indexer_topk(indexer, rows, iks, k, key_block)
@@ -469,7 +469,7 @@ def cpu_joint_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, KeySe
     cache_dtypes = {c.dtype for c, _ in sources}
     if (kernel is None or q.dtype != torch.float32 or q.shape[0] == 0
             or sum(ks.length for _, ks in sources) > FUSED_ATTENTION_MAX_COLUMNS
-            or len(cache_dtypes) > 1 or not cache_dtypes <= {torch.float32, torch.float8_e4m3fn, torch.float8_e5m2}
+            or len(cache_dtypes) > 1 or not cache_dtypes <= {torch.float32, *FP8_DTYPES}
             or any(c.device.type != "cpu" or c.dim() != 2 or not c.is_contiguous() for c, _ in sources)):
         return torch_joint_attention(q, sources, sinks, scale)
     empty = torch.empty(0, dtype=torch.long)

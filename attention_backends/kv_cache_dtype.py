@@ -45,13 +45,21 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 
 def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """x as the cache stores it: unchanged for a non-FP8 cache, else saturated to the FP8
-    format's finite range and cast (round to nearest even, scale 1.0). Rows already in the format
-    (an FP8 mirror's) are returned as they are: torch has no clamp for FP8."""
-    if not is_fp8(cache_dtype) or x.dtype == cache_dtype:
+    """x in cache_dtype, as a cache of that dtype stores it: cast for a model-dtype cache, else
+    saturated to the FP8 format's finite range and cast (round to nearest even, scale 1.0). Rows
+    already in cache_dtype (an FP8 mirror's) are returned as they are: torch has no clamp for FP8."""
+    if x.dtype == cache_dtype:
         return x
+    if not is_fp8(cache_dtype):
+        return x.to(cache_dtype)
     limit = torch.finfo(cache_dtype).max
     return x.clamp(-limit, limit).to(cache_dtype)
+
+
+def store_rows(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, dim: int = 0) -> None:
+    """cache's entries `slots` along dim = values, as the cache stores them (quantize_kv), moved
+    as bytes: torch has no index_copy_ for FP8. Every torch-side KV write goes through here."""
+    byte_view(cache).index_copy_(dim, slots, byte_view(quantize_kv(values, cache.dtype)))
 
 
 def dequantize_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from hybridkv.attention_backends.backend import AttentionBackend
 from hybridkv.attention_backends.cpu_kernels import (load_paged_attention, load_prefill_attention,
                                                      load_prefill_attention_bf16, load_write_kv)
-from hybridkv.attention_backends.kv_cache_dtype import as_stored, byte_view, dequantize_kv, is_fp8, quantize_kv
+from hybridkv.attention_backends.kv_cache_dtype import as_stored, dequantize_kv, is_fp8, store_rows
 from hybridkv.attention_backends.metadata import (AttentionMetadata, DecodeTile, PrefillSeq, TileSizes,
                                                   prefill_row_groups)
 from hybridkv.block_manager.space_spec import window_start
@@ -235,9 +235,8 @@ class TorchNativeAttention(AttentionBackend):
                 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1):
             self._write_kv(k_cache, v_cache, slots, k, v)
             return
-        k, v = quantize_kv(k, k_cache.dtype), quantize_kv(v, v_cache.dtype)
-        byte_view(k_cache).index_copy_(1, slots, byte_view(k).transpose(0, 1))
-        byte_view(v_cache).index_copy_(1, slots, byte_view(v).transpose(0, 1))
+        store_rows(k_cache, slots, k.transpose(0, 1), dim=1)
+        store_rows(v_cache, slots, v.transpose(0, 1), dim=1)
 
     # -- decode --------------------------------------------------------------------------------
     def _decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

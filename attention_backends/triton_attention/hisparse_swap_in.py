@@ -36,7 +36,7 @@ import triton.language as tl
 
 from hybridkv.attention_backends.hisparse_buffers import NO_ENTRY, HotBuffers
 from hybridkv.attention_backends.host_mirror import crosses, gather_rows
-from hybridkv.attention_backends.kv_cache_dtype import byte_view, quantize_kv
+from hybridkv.attention_backends.kv_cache_dtype import byte_view, quantize_kv, store_rows
 
 # Sort key of a slot holding a hit (never a victim), and of the block's padding beyond `size`.
 _PROTECTED = tl.constexpr(1 << 62)
@@ -142,8 +142,8 @@ def triton_swap_in(buffers: HotBuffers, layer: int, rows: torch.Tensor, entries:
     slots = torch.empty(n, k, dtype=torch.long, device=entries.device)
     found = torch.empty(n, k, dtype=torch.int8, device=entries.device)
     D = hot.shape[1]
-    if copy_here and source.dtype != hot.dtype:  # the step's new entries, as the buffer stores them
-        source = quantize_kv(source, hot.dtype).to(hot.dtype)
+    if copy_here:  # the step's new entries (model dtype), as the buffer stores them; the mirror as it is
+        source = quantize_kv(source, hot.dtype)
     dst = byte_view(hot)  # FP8 moves as bytes (the kernel copies, it never converts)
     src = byte_view(source) if copy_here else dst  # not read without COPY
     _swap_in_kernel[(n,)](
@@ -156,7 +156,6 @@ def triton_swap_in(buffers: HotBuffers, layer: int, rows: torch.Tensor, entries:
     if not copy_here:
         missed = valid & ~hit
         if bool(missed.any()):
-            byte_view(hot).index_copy_(0, slots[missed],
-                                       byte_view(gather_rows(source, source_slots[missed.to(source_slots.device)], hot)))
+            store_rows(hot, slots[missed], gather_rows(source, source_slots[missed.to(source_slots.device)], hot))
     buffers.account(rows, valid, hit, insert)
     return slots

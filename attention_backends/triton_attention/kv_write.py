@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridkv.attention_backends.kv_cache_dtype import byte_view, quantize_kv
+from hybridkv.attention_backends.kv_cache_dtype import byte_view, is_fp8, quantize_kv
 
 
 @triton.jit
@@ -59,9 +59,9 @@ def write_kv(
     T, hkv, D = k.shape
     if T == 0:
         return
-    k, v = quantize_kv(k, k_cache.dtype), quantize_kv(v, v_cache.dtype)
-    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+    if not is_fp8(k_cache.dtype) and (k.dtype != k_cache.dtype or v.dtype != v_cache.dtype):
         raise TypeError(f"K/V of dtype {k.dtype} cannot be written into a {k_cache.dtype} cache")
+    k, v = quantize_kv(k, k_cache.dtype), quantize_kv(v, v_cache.dtype)
     _kv_write_kernel[(T,)](
         k, v, k_cache, v_cache, slot_mapping,
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
@@ -100,7 +100,7 @@ def write_rows(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -
     if values.shape[0] != slots.numel():
         raise ValueError(f"{values.shape[0]} rows for {slots.numel()} slots")
     # A no-op when the model computes in the cache's dtype. FP8 moves as bytes: the kernel never converts.
-    rows = byte_view(quantize_kv(values, cache.dtype).to(cache.dtype))
+    rows = byte_view(quantize_kv(values, cache.dtype))
     dst = byte_view(cache)
     D = cache.shape[1]
     _row_write_kernel[(slots.numel(),)](

@@ -234,12 +234,13 @@ def _step(spans: list[tuple[int, int]], seed: int):
 SPANS = [(36, 1), (4, 1), (0, 1), (5, 1), (0, 13), (8, 9), (21, 30)]
 
 
-@pytest.mark.parametrize("blocks", ["default", "small"])
-@pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
-def test_backend_equals_the_reference_over_mixed_steps(kind, blocks, request):
-    if blocks == "small":
-        request.getfixturevalue("small_blocks")
+def _both_backends_over_mixed_steps(kind: str, fmt: torch.dtype | None = None):
+    """(reference output, Triton output, metadata, indexer query) of one mixed step of a layer
+    kind; fmt: the caches as an FP8 cache of that format stores them (both backends read the same
+    bytes)."""
     meta, caches = _step(SPANS, seed={"sliding": 0, "hca": 1, "csa": 2}[kind])
+    if fmt is not None:
+        caches = {space: quantize_kv(cache, fmt) for space, cache in caches.items()}
     T = meta.num_tokens
     g = torch.Generator().manual_seed(3)
     q = torch.randn(T, H, D, generator=g)
@@ -249,6 +250,15 @@ def test_backend_equals_the_reference_over_mixed_steps(kind, blocks, request):
     args = {"sliding": (), "hca": (caches[C128], C128), "csa": (caches[C4], C4, iq)}[kind]
     want = HybridV4Attention().forward(q, caches[SWA], meta, sink, D**-0.5, *args)
     got = tv4.TritonHybridV4Attention().forward(q, caches[SWA], meta, sink, D**-0.5, *args)
+    return want, got, meta, iq
+
+
+@pytest.mark.parametrize("blocks", ["default", "small"])
+@pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
+def test_backend_equals_the_reference_over_mixed_steps(kind, blocks, request):
+    if blocks == "small":
+        request.getfixturevalue("small_blocks")
+    want, got, meta, iq = _both_backends_over_mixed_steps(kind)
     torch.testing.assert_close(got, want, **TOL)
     if kind == "csa":  # random scores: the same entry sets as the reference
         for blk in meta.blocks:
@@ -262,19 +272,9 @@ def test_backend_equals_the_reference_over_mixed_steps(kind, blocks, request):
 @FP8_FORMATS
 @pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
 def test_backend_over_fp8_caches_equals_the_reference_over_mixed_steps(kind, fmt, small_blocks):
-    """The swa, c4, c128 and indexer caches in FP8 (as the writes store them); both backends read
-    the same bytes."""
-    meta, caches = _step(SPANS, seed={"sliding": 0, "hca": 1, "csa": 2}[kind])
-    caches = {space: quantize_kv(cache, fmt) for space, cache in caches.items()}
-    T = meta.num_tokens
-    g = torch.Generator().manual_seed(3)
-    q = torch.randn(T, H, D, generator=g)
-    sink = torch.randn(H, generator=g)
-    iq = IndexerQuery(torch.randn(T, NI, CI, generator=g), torch.randn(T, NI, generator=g), caches[INDEXER],
-                      INDEXER, TOPK, CI**-0.5)
-    args = {"sliding": (), "hca": (caches[C128], C128), "csa": (caches[C4], C4, iq)}[kind]
-    want = HybridV4Attention().forward(q, caches[SWA], meta, sink, D**-0.5, *args)
-    got = tv4.TritonHybridV4Attention().forward(q, caches[SWA], meta, sink, D**-0.5, *args)
+    """The swa, c4, c128 and indexer caches in FP8 (as the writes store them)."""
+    want, got, _, _ = _both_backends_over_mixed_steps(kind, fmt)
+    assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, **TOL)
 
 

@@ -18,7 +18,6 @@ from torch import nn
 from hybridkv.attention_backends.hisparse_reads import HiSparseLayer, HiSparseStep, prepare_layer, write_entries
 from hybridkv.attention_backends.hybrid_metadata import C4, C128, INDEXER, HybridAttentionMetadata
 from hybridkv.attention_backends.hybrid_v4 import HybridV4Attention, IndexerQuery
-from hybridkv.attention_backends.kv_cache_dtype import is_fp8
 from hybridkv.model_executor.models.deepseek_v4.compressor import Compressor
 from hybridkv.model_executor.models.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
 from hybridkv.model_executor.models.deepseek_v4.indexer import Indexer
@@ -118,7 +117,7 @@ class V4Attention(nn.Module):
         if plan.num_entries:
             entries = comp.pool(
                 plan.gather_rows(cache.state_kv, kv), plan.gather_rows(cache.state_gate, gate), plan.row_valid,
-                plan.positions, x.dtype if is_fp8(cache.entries.dtype) else cache.entries.dtype,
+                plan.positions, x.dtype,  # the model dtype; the write stores them as the cache does (FP8 too)
             )
             if mirror is not None:
                 write_entries(mirror, cache.entries, plan.out_slots[out_space], entries, self.backend.write)
